@@ -1,0 +1,143 @@
+"""Plain data types shared by the SDK, the scheduler and the worker.
+
+Frozen dataclasses only; conversion to and from protobuf lives in ``_convert``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+__all__ = [
+    "Completion",
+    "FinishReason",
+    "Prompt",
+    "Provenance",
+    "SamplingParams",
+    "SchedulingPolicy",
+    "SourceStats",
+    "StepResult",
+    "StepSummary",
+]
+
+
+class SchedulingPolicy(str, enum.Enum):
+    """How the scheduler spreads a step's requests over workers."""
+
+    STATIC = "static"  # even split up front: today's data-parallel rollout (the baseline)
+    QUEUE = "queue"  # shared queue, each worker refilled up to its capacity
+    LONGEST_FIRST = "longest-first"  # queue ordered by predicted length
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling parameters of a step (vLLM semantics). Sample i of a prompt uses seed + i."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    n: int = 1
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: text or token ids. ``max_tokens`` (0 = the step's) overrides per prompt."""
+
+    prompt_id: str
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    max_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class SourceStats:
+    source: str
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """How a completion was produced: engine steps and draft tokens by source."""
+
+    forward_passes: int = 0
+    sources: tuple[SourceStats, ...] = ()
+
+    def accepted(self, source: str | None = None) -> int:
+        return sum(s.accepted_tokens for s in self.sources if source in (None, s.source))
+
+    def drafted(self, source: str | None = None) -> int:
+        return sum(s.drafted_tokens for s in self.sources if source in (None, s.source))
+
+    def __add__(self, other: Provenance) -> Provenance:
+        merged: dict[str, list[int]] = {}
+        for s in (*self.sources, *other.sources):
+            acc = merged.setdefault(s.source, [0, 0])
+            acc[0] += s.drafted_tokens
+            acc[1] += s.accepted_tokens
+        return Provenance(
+            forward_passes=self.forward_passes + other.forward_passes,
+            sources=tuple(SourceStats(k, d, a) for k, (d, a) in sorted(merged.items())),
+        )
+
+
+@dataclass(frozen=True)
+class Completion:
+    step_id: str
+    prompt_id: str
+    sample_index: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    text: str
+    finish_reason: FinishReason
+    policy_version: int
+    worker_id: str = ""
+    prompt_tokens: int = 0
+    provenance: Provenance = field(default_factory=Provenance)
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        """Idempotency key: (step id, prompt id, sample index)."""
+        return (self.step_id, self.prompt_id, self.sample_index)
+
+
+@dataclass(frozen=True)
+class StepSummary:
+    step_id: str
+    policy_version: int
+    completions: int
+    makespan_seconds: float
+    generated_tokens: int
+    provenance: Provenance = field(default_factory=Provenance)
+    busy_worker_seconds: float = 0.0
+    idle_worker_seconds: float = 0.0
+    drafting_worker_seconds: float = 0.0
+    requests_moved: int = 0
+    requests_requeued: int = 0
+
+    @property
+    def forward_passes_per_token(self) -> float:
+        return self.provenance.forward_passes / max(1, self.generated_tokens)
+
+    @property
+    def bubble_share(self) -> float:
+        total = self.busy_worker_seconds + self.idle_worker_seconds + self.drafting_worker_seconds
+        return self.idle_worker_seconds / total if total > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Everything ``generate`` returns: completions in (prompt order, sample index) order."""
+
+    completions: tuple[Completion, ...]
+    summary: StepSummary

@@ -1,0 +1,400 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SchedulingPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SCHEDULING_POLICY_UNSPECIFIED: _ClassVar[SchedulingPolicy]
+    SCHEDULING_POLICY_STATIC: _ClassVar[SchedulingPolicy]
+    SCHEDULING_POLICY_QUEUE: _ClassVar[SchedulingPolicy]
+    SCHEDULING_POLICY_LONGEST_FIRST: _ClassVar[SchedulingPolicy]
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+SCHEDULING_POLICY_UNSPECIFIED: SchedulingPolicy
+SCHEDULING_POLICY_STATIC: SchedulingPolicy
+SCHEDULING_POLICY_QUEUE: SchedulingPolicy
+SCHEDULING_POLICY_LONGEST_FIRST: SchedulingPolicy
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Prompt(_message.Message):
+    __slots__ = ("prompt_id", "text", "token_ids")
+    PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    prompt_id: str
+    text: str
+    token_ids: TokenIds
+    def __init__(self, prompt_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids", "seed", "n", "ignore_eos")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    seed: int
+    n: int
+    ignore_eos: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., n: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class SourceStats(_message.Message):
+    __slots__ = ("source", "drafted_tokens", "accepted_tokens")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    drafted_tokens: int
+    accepted_tokens: int
+    def __init__(self, source: _Optional[str] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
+
+class Provenance(_message.Message):
+    __slots__ = ("forward_passes", "sources")
+    FORWARD_PASSES_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    forward_passes: int
+    sources: _containers.RepeatedCompositeFieldContainer[SourceStats]
+    def __init__(self, forward_passes: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[SourceStats, _Mapping]]] = ...) -> None: ...
+
+class Completion(_message.Message):
+    __slots__ = ("step_id", "prompt_id", "sample_index", "token_ids", "logprobs", "text", "finish_reason", "policy_version", "worker_id", "provenance", "prompt_tokens")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PROVENANCE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    step_id: str
+    prompt_id: str
+    sample_index: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    text: str
+    finish_reason: FinishReason
+    policy_version: int
+    worker_id: str
+    provenance: Provenance
+    prompt_tokens: int
+    def __init__(self, step_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., provenance: _Optional[_Union[Provenance, _Mapping]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("step_id", "policy_version", "prompts", "sampling", "lookahead", "policy", "disable_drafts")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    DISABLE_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    step_id: str
+    policy_version: int
+    prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
+    sampling: SamplingParams
+    lookahead: _containers.RepeatedCompositeFieldContainer[Prompt]
+    policy: SchedulingPolicy
+    disable_drafts: bool
+    def __init__(self, step_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., lookahead: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., policy: _Optional[_Union[SchedulingPolicy, str]] = ..., disable_drafts: _Optional[bool] = ...) -> None: ...
+
+class StepSummary(_message.Message):
+    __slots__ = ("step_id", "policy_version", "completions", "makespan_seconds", "generated_tokens", "provenance", "busy_worker_seconds", "idle_worker_seconds", "drafting_worker_seconds", "requests_moved", "requests_requeued")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    MAKESPAN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROVENANCE_FIELD_NUMBER: _ClassVar[int]
+    BUSY_WORKER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_WORKER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTING_WORKER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_MOVED_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_REQUEUED_FIELD_NUMBER: _ClassVar[int]
+    step_id: str
+    policy_version: int
+    completions: int
+    makespan_seconds: float
+    generated_tokens: int
+    provenance: Provenance
+    busy_worker_seconds: float
+    idle_worker_seconds: float
+    drafting_worker_seconds: float
+    requests_moved: int
+    requests_requeued: int
+    def __init__(self, step_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., completions: _Optional[int] = ..., makespan_seconds: _Optional[float] = ..., generated_tokens: _Optional[int] = ..., provenance: _Optional[_Union[Provenance, _Mapping]] = ..., busy_worker_seconds: _Optional[float] = ..., idle_worker_seconds: _Optional[float] = ..., drafting_worker_seconds: _Optional[float] = ..., requests_moved: _Optional[int] = ..., requests_requeued: _Optional[int] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("completion", "summary")
+    COMPLETION_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    completion: Completion
+    summary: StepSummary
+    def __init__(self, completion: _Optional[_Union[Completion, _Mapping]] = ..., summary: _Optional[_Union[StepSummary, _Mapping]] = ...) -> None: ...
+
+class AnnounceRequest(_message.Message):
+    __slots__ = ("prompts", "sampling")
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
+    sampling: SamplingParams
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class AnnounceResponse(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    def __init__(self, accepted: _Optional[int] = ...) -> None: ...
+
+class UpdatePolicyRequest(_message.Message):
+    __slots__ = ("version", "weights_path")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    weights_path: str
+    def __init__(self, version: _Optional[int] = ..., weights_path: _Optional[str] = ...) -> None: ...
+
+class UpdatePolicyResponse(_message.Message):
+    __slots__ = ("version", "workers_loaded")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_LOADED_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    workers_loaded: int
+    def __init__(self, version: _Optional[int] = ..., workers_loaded: _Optional[int] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("worker_id", "state", "policy_version", "running", "capacity", "tokens_per_second")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    state: str
+    policy_version: int
+    running: int
+    capacity: int
+    tokens_per_second: float
+    def __init__(self, worker_id: _Optional[str] = ..., state: _Optional[str] = ..., policy_version: _Optional[int] = ..., running: _Optional[int] = ..., capacity: _Optional[int] = ..., tokens_per_second: _Optional[float] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("policy_version", "workers", "steps", "requests_waiting", "requests_running", "json")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    steps: _containers.RepeatedCompositeFieldContainer[StepSummary]
+    requests_waiting: int
+    requests_running: int
+    json: str
+    def __init__(self, policy_version: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., steps: _Optional[_Iterable[_Union[StepSummary, _Mapping]]] = ..., requests_waiting: _Optional[int] = ..., requests_running: _Optional[int] = ..., json: _Optional[str] = ...) -> None: ...
+
+class CancelRequest(_message.Message):
+    __slots__ = ("step_id",)
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    step_id: str
+    def __init__(self, step_id: _Optional[str] = ...) -> None: ...
+
+class CancelResponse(_message.Message):
+    __slots__ = ("cancelled_requests",)
+    CANCELLED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    cancelled_requests: int
+    def __init__(self, cancelled_requests: _Optional[int] = ...) -> None: ...
+
+class Hello(_message.Message):
+    __slots__ = ("worker_id", "capacity", "policy_version", "max_model_len", "vocab_size", "model", "speculation")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    capacity: int
+    policy_version: int
+    max_model_len: int
+    vocab_size: int
+    model: str
+    speculation: bool
+    def __init__(self, worker_id: _Optional[str] = ..., capacity: _Optional[int] = ..., policy_version: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model: _Optional[str] = ..., speculation: _Optional[bool] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("running", "tokens_per_second")
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    running: int
+    tokens_per_second: float
+    def __init__(self, running: _Optional[int] = ..., tokens_per_second: _Optional[float] = ...) -> None: ...
+
+class Progress(_message.Message):
+    __slots__ = ("request_key", "generated_tokens")
+    REQUEST_KEY_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_key: str
+    generated_tokens: int
+    def __init__(self, request_key: _Optional[str] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
+
+class WorkerCompletion(_message.Message):
+    __slots__ = ("request_key", "completion")
+    REQUEST_KEY_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_FIELD_NUMBER: _ClassVar[int]
+    request_key: str
+    completion: Completion
+    def __init__(self, request_key: _Optional[str] = ..., completion: _Optional[_Union[Completion, _Mapping]] = ...) -> None: ...
+
+class Aborted(_message.Message):
+    __slots__ = ("request_key", "reason")
+    REQUEST_KEY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    request_key: str
+    reason: str
+    def __init__(self, request_key: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class PolicyLoaded(_message.Message):
+    __slots__ = ("version", "ok", "error", "seconds")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    ok: bool
+    error: str
+    seconds: float
+    def __init__(self, version: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class DraftResult(_message.Message):
+    __slots__ = ("job_id", "tokens", "finished")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    tokens: int
+    finished: bool
+    def __init__(self, job_id: _Optional[str] = ..., tokens: _Optional[int] = ..., finished: _Optional[bool] = ...) -> None: ...
+
+class WorkerMessage(_message.Message):
+    __slots__ = ("hello", "heartbeat", "progress", "completion", "aborted", "policy_loaded", "draft_result")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    POLICY_LOADED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_RESULT_FIELD_NUMBER: _ClassVar[int]
+    hello: Hello
+    heartbeat: Heartbeat
+    progress: Progress
+    completion: WorkerCompletion
+    aborted: Aborted
+    policy_loaded: PolicyLoaded
+    draft_result: DraftResult
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., completion: _Optional[_Union[WorkerCompletion, _Mapping]] = ..., aborted: _Optional[_Union[Aborted, _Mapping]] = ..., policy_loaded: _Optional[_Union[PolicyLoaded, _Mapping]] = ..., draft_result: _Optional[_Union[DraftResult, _Mapping]] = ...) -> None: ...
+
+class Assignment(_message.Message):
+    __slots__ = ("request_key", "step_id", "prompt_id", "sample_index", "prompt_token_ids", "sampling", "policy_version", "use_drafts", "group_size")
+    REQUEST_KEY_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    USE_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    request_key: str
+    step_id: str
+    prompt_id: str
+    sample_index: int
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    policy_version: int
+    use_drafts: bool
+    group_size: int
+    def __init__(self, request_key: _Optional[str] = ..., step_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy_version: _Optional[int] = ..., use_drafts: _Optional[bool] = ..., group_size: _Optional[int] = ...) -> None: ...
+
+class Abort(_message.Message):
+    __slots__ = ("request_key",)
+    REQUEST_KEY_FIELD_NUMBER: _ClassVar[int]
+    request_key: str
+    def __init__(self, request_key: _Optional[str] = ...) -> None: ...
+
+class LoadPolicy(_message.Message):
+    __slots__ = ("version", "weights_path")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    weights_path: str
+    def __init__(self, version: _Optional[int] = ..., weights_path: _Optional[str] = ...) -> None: ...
+
+class DraftJob(_message.Message):
+    __slots__ = ("job_id", "step_id", "prompt_token_ids", "sampling", "policy_version")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    step_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    policy_version: int
+    def __init__(self, job_id: _Optional[str] = ..., step_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
+class StopDraft(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class SchedulerMessage(_message.Message):
+    __slots__ = ("assign", "abort", "load_policy", "draft_job", "stop_draft")
+    ASSIGN_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    LOAD_POLICY_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_JOB_FIELD_NUMBER: _ClassVar[int]
+    STOP_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    assign: Assignment
+    abort: Abort
+    load_policy: LoadPolicy
+    draft_job: DraftJob
+    stop_draft: StopDraft
+    def __init__(self, assign: _Optional[_Union[Assignment, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., load_policy: _Optional[_Union[LoadPolicy, _Mapping]] = ..., draft_job: _Optional[_Union[DraftJob, _Mapping]] = ..., stop_draft: _Optional[_Union[StopDraft, _Mapping]] = ...) -> None: ...

