@@ -152,28 +152,34 @@ class VllmEngine:
             max_tokens=sp.max_tokens, stop=list(sp.stop) or None,
             stop_token_ids=list(sp.stop_token_ids) or None, seed=sp.seed,
             ignore_eos=sp.ignore_eos, logprobs=0, detokenize=True,
-            output_kind=RequestOutputKind.CUMULATIVE,
+            output_kind=RequestOutputKind.DELTA,
             extra_args={"bubblespec": {"key": request.key, "drafts": drafts,
                                        "enabled": request.use_drafts}},
         )
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        """Yield progress (``token_ids`` is a live list, valid until the next yield), then the
+        final output (tuples, ``finish_reason`` set)."""
         assert self._llm is not None, "engine not started"
         prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
-        final = None
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        text: list[str] = []
+        reason = None
         async for out in self._llm.generate(prompt, self._params(request), request_id=request.key):
             c = out.outputs[0]
+            tokens.extend(c.token_ids)
+            logprobs.extend(float(step[tok].logprob) for step, tok in zip(c.logprobs or (), c.token_ids))
+            text.append(c.text)
+            reason = c.finish_reason
             if not out.finished:
-                yield EngineOutput(request.key, tuple(c.token_ids))
-                continue
-            final = c
-        if final is None:
+                yield EngineOutput(request.key, tokens)  # type: ignore[arg-type]
+        if reason is None:
             return
-        logprobs = tuple(float(step[tok].logprob) for step, tok in zip(final.logprobs or (), final.token_ids))
         yield EngineOutput(
-            request.key, tuple(final.token_ids), logprobs, final.text,
-            FinishReason.LENGTH if final.finish_reason == "length" else FinishReason.STOP,
-            await self._provenance(request.key, len(final.token_ids)),
+            request.key, tuple(tokens), tuple(logprobs), "".join(text),
+            FinishReason.LENGTH if reason == "length" else FinishReason.STOP,
+            await self._provenance(request.key, len(tokens)),
         )
 
     async def _provenance(self, key: str, num_tokens: int) -> Provenance:

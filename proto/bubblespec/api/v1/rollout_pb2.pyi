@@ -34,14 +34,16 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Prompt(_message.Message):
-    __slots__ = ("prompt_id", "text", "token_ids")
+    __slots__ = ("prompt_id", "text", "token_ids", "max_tokens")
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     text: str
     token_ids: TokenIds
-    def __init__(self, prompt_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
+    max_tokens: int
+    def __init__(self, prompt_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids", "seed", "n", "ignore_eos")
@@ -110,7 +112,7 @@ class Completion(_message.Message):
     def __init__(self, step_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., provenance: _Optional[_Union[Provenance, _Mapping]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("step_id", "policy_version", "prompts", "sampling", "lookahead", "policy", "disable_drafts")
+    __slots__ = ("step_id", "policy_version", "prompts", "sampling", "lookahead", "policy", "disable_drafts", "disable_straggler_watch")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +120,7 @@ class GenerateRequest(_message.Message):
     LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     DISABLE_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    DISABLE_STRAGGLER_WATCH_FIELD_NUMBER: _ClassVar[int]
     step_id: str
     policy_version: int
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
@@ -125,7 +128,8 @@ class GenerateRequest(_message.Message):
     lookahead: _containers.RepeatedCompositeFieldContainer[Prompt]
     policy: SchedulingPolicy
     disable_drafts: bool
-    def __init__(self, step_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., lookahead: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., policy: _Optional[_Union[SchedulingPolicy, str]] = ..., disable_drafts: _Optional[bool] = ...) -> None: ...
+    disable_straggler_watch: bool
+    def __init__(self, step_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., lookahead: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., policy: _Optional[_Union[SchedulingPolicy, str]] = ..., disable_drafts: _Optional[bool] = ..., disable_straggler_watch: _Optional[bool] = ...) -> None: ...
 
 class StepSummary(_message.Message):
     __slots__ = ("step_id", "policy_version", "completions", "makespan_seconds", "generated_tokens", "provenance", "busy_worker_seconds", "idle_worker_seconds", "drafting_worker_seconds", "requests_moved", "requests_requeued")

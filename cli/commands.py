@@ -1,0 +1,153 @@
+"""What each ``bubblespec`` subcommand runs (settings built from parsed flags)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+from bubblespec.scheduler.settings import SchedulerSettings
+from bubblespec.store import StoreSettings
+from bubblespec.worker.engine import EngineSettings
+from bubblespec.worker.agent import WorkerSettings
+
+__all__ = ["demo", "scheduler", "up", "worker", "Cluster"]
+
+logger = logging.getLogger(__name__)
+TINY_MODEL_DIR = Path.home() / ".cache" / "bubblespec" / "tiny-model"
+
+
+def _scheduler_settings(a: argparse.Namespace, **over) -> SchedulerSettings:
+    fields = dict(host=a.host, grpc_port=a.grpc_port, http_port=a.http_port, tokenizer=a.tokenizer,
+                  redis_url=a.redis_url, redis_password=a.redis_password, trainer_token=a.trainer_token,
+                  worker_token=a.worker_token, tls_cert_file=a.tls_cert_file, tls_key_file=a.tls_key_file,
+                  tls_client_ca_file=a.tls_client_ca_file, default_policy=a.default_policy)
+    fields.update(over)
+    return SchedulerSettings(**fields)
+
+
+def _engine_settings(a: argparse.Namespace) -> EngineSettings:
+    return EngineSettings(model=a.model, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
+                          num_speculative_tokens=a.num_speculative_tokens,
+                          tensor_parallel_size=a.tensor_parallel_size, kv_cache_memory_bytes=a.kv_cache_memory_bytes)
+
+
+def ensure_tiny_model(path: Path = TINY_MODEL_DIR) -> str:
+    if not (path / "model.safetensors").exists():
+        from bubblespec.worker.tiny_model import build_tiny_model
+
+        build_tiny_model(path)
+    return str(path)
+
+
+def scheduler(a: argparse.Namespace) -> None:
+    from bubblespec.scheduler.server import run
+
+    run(_scheduler_settings(a))
+
+
+def worker(a: argparse.Namespace) -> None:
+    from bubblespec.worker.main import run
+
+    settings = WorkerSettings(scheduler=a.scheduler, worker_id=a.worker_id, token=a.worker_token,
+                              engine=_engine_settings(a))
+    store = StoreSettings(url=a.redis_url, password=a.redis_password, tls_ca_file=a.redis_tls_ca_file)
+    run(settings, store, a.metrics_port)
+
+
+class Cluster:
+    """Scheduler + N vLLM workers + one in-process draft store, in this process (``up``)."""
+
+    def __init__(self, scheduler: SchedulerSettings, engine: EngineSettings, workers: int,
+                 store_settings: StoreSettings = StoreSettings()):
+        self.scheduler_settings = scheduler
+        self.engine_settings = engine
+        self.num_workers = workers
+        self.store_settings = store_settings
+        self.scheduler = None
+        self.agents: list = []
+        self.engines: list = []
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        from bubblespec.scheduler.server import Scheduler
+        from bubblespec.store import open_store
+        from bubblespec.worker.agent import WorkerAgent
+        from bubblespec.worker.engine import VllmEngine
+
+        self.scheduler = Scheduler(self.scheduler_settings)
+        await self.scheduler.start()
+        self.store = open_store(self.store_settings, resilient=True)
+        target = f"127.0.0.1:{self.scheduler.grpc_port}"
+        for i in range(self.num_workers):
+            engine = VllmEngine(self.engine_settings)
+            await engine.start()
+            agent = WorkerAgent(WorkerSettings(scheduler=target, worker_id=f"worker-{i}",
+                                               token=self.scheduler_settings.worker_token,
+                                               engine=self.engine_settings), engine, self.store)
+            self.engines.append(engine)
+            self.agents.append(agent)
+            self._tasks.append(asyncio.create_task(agent.run()))
+        while len(self.scheduler.core.workers) < self.num_workers:
+            await asyncio.sleep(0.05)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.scheduler.grpc_port}"
+
+    async def stop(self) -> None:
+        for agent in self.agents:
+            await agent.stop()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.scheduler is not None:
+            await self.scheduler.stop(grace=1.0)
+        for engine in self.engines:
+            await engine.shutdown()
+
+
+def _with_model(a: argparse.Namespace) -> argparse.Namespace:
+    if not a.model:
+        a.model = ensure_tiny_model()
+    return a
+
+
+def up(a: argparse.Namespace) -> None:
+    async def main() -> None:
+        _with_model(a)
+        cluster = Cluster(_scheduler_settings(a, tokenizer=a.tokenizer or a.model), _engine_settings(a), a.workers)
+        await cluster.start()
+        s = cluster.scheduler
+        print(f"BubbleSpec up: gRPC 127.0.0.1:{s.grpc_port}, HTTP http://127.0.0.1:{s.http_port}/ui, "
+              f"{a.workers} workers. Ctrl-C to stop.", flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await cluster.stop()
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass
+
+
+def demo(a: argparse.Namespace) -> None:
+    from bubblespec.cli.demo import run_demo
+
+    async def main() -> None:
+        started = time.monotonic()
+        _with_model(a)
+        settings = SchedulerSettings(host="127.0.0.1", grpc_port=0, http_port=0, tokenizer=a.model)
+        cluster = Cluster(settings, _engine_settings(a), a.workers)
+        await cluster.start()
+        print(f"cluster up in {time.monotonic() - started:.1f}s: {a.workers} vLLM workers, "
+              f"UI at http://127.0.0.1:{cluster.scheduler.http_port}/ui", flush=True)
+        try:
+            await run_demo(cluster, a.prompts, a.samples)
+        finally:
+            await cluster.stop()
+
+    asyncio.run(main())

@@ -1,0 +1,102 @@
+"""``bubblespec`` command line: scheduler, worker, up, demo, make-tiny-model, bench, simulate.
+
+Every flag has a ``BUBBLESPEC_<FLAG>`` environment variable (dashes become underscores),
+read here at the entry point only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+__all__ = ["main"]
+
+
+def _env(name: str, default):
+    raw = os.environ.get("BUBBLESPEC_" + name.upper().replace("-", "_"))
+    if raw is None:
+        return default
+    return type(default)(raw) if not isinstance(default, bool) else raw.lower() in ("1", "true", "yes")
+
+
+def _add(p: argparse.ArgumentParser, flag: str, default, help: str) -> None:
+    value = _env(flag, default)
+    if isinstance(default, bool):
+        p.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=value, help=help)
+    else:
+        p.add_argument(f"--{flag}", type=type(default), default=value, help=f"{help} (default: %(default)s)")
+
+
+def _scheduler_flags(p: argparse.ArgumentParser) -> None:
+    _add(p, "host", "0.0.0.0", "bind address")
+    _add(p, "grpc-port", 50051, "gRPC port (trainer + worker APIs, health, reflection)")
+    _add(p, "http-port", 8080, "HTTP port (/healthz /readyz /metrics /status /ui)")
+    _add(p, "tokenizer", "", "model directory or tokenizer.json for text prompts")
+    _add(p, "redis-url", "", "draft store URL (redis:// or rediss://)")
+    _add(p, "redis-password", "", "draft store password")
+    _add(p, "trainer-token", "", "bearer token trainers must send")
+    _add(p, "worker-token", "", "bearer token workers must send")
+    _add(p, "tls-cert-file", "", "PEM certificate for the gRPC port")
+    _add(p, "tls-key-file", "", "PEM key for the gRPC port")
+    _add(p, "tls-client-ca-file", "", "PEM CA for client certificates (mutual TLS)")
+    _add(p, "default-policy", "queue", "policy of steps that name none: static | queue | longest-first")
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    _add(p, "model", "", "model directory (default for up/demo: the tiny test model)")
+    _add(p, "max-model-len", 1024, "longest prompt + response")
+    _add(p, "max-num-seqs", 64, "concurrent requests per engine (capacity)")
+    _add(p, "num-speculative-tokens", 8, "draft tokens per request per step (0 = no speculation)")
+    _add(p, "tensor-parallel-size", 1, "GPUs per engine")
+    _add(p, "kv-cache-memory-bytes", 256 * 2**20, "KV cache size for CPU engines")
+
+
+def _worker_flags(p: argparse.ArgumentParser) -> None:
+    _add(p, "scheduler", "localhost:50051", "scheduler address")
+    _add(p, "worker-id", "", "stable worker id (default hostname-pid)")
+    _add(p, "worker-token", "", "bearer token for the worker API")
+    _add(p, "redis-url", "", "draft store URL ('' = no drafts from other workers)")
+    _add(p, "redis-password", "", "draft store password")
+    _add(p, "redis-tls-ca-file", "", "PEM CA for rediss://")
+    _add(p, "metrics-port", 8081, "HTTP port for /metrics and /healthz (-1 = off)")
+    _engine_flags(p)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bubblespec", description=__doc__)
+    _add(parser, "log-level", "INFO", "logging level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _scheduler_flags(sub.add_parser("scheduler", help="run the scheduler"))
+    _worker_flags(sub.add_parser("worker", help="run one vLLM worker that dials the scheduler"))
+    up = sub.add_parser("up", help="scheduler + N vLLM workers + in-process draft store on this machine")
+    _add(up, "workers", 2, "number of vLLM workers")
+    _scheduler_flags(up)
+    _engine_flags(up)
+    demo = sub.add_parser("demo", help="start `up` and run a two-step rollout through the SDK")
+    _add(demo, "workers", 2, "number of vLLM workers")
+    _add(demo, "prompts", 16, "prompts per step")
+    _add(demo, "samples", 2, "samples per prompt")
+    _engine_flags(demo)
+    tiny = sub.add_parser("make-tiny-model", help="write the tiny Llama test model and tokenizer")
+    tiny.add_argument("dir")
+    tiny.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "make-tiny-model":
+        from bubblespec.worker.tiny_model import build_tiny_model
+
+        print(build_tiny_model(args.dir, seed=args.seed))
+        return 0
+    from bubblespec.cli import commands
+
+    return getattr(commands, args.command.replace("-", "_"))(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""Protobuf <-> dataclass conversion: the only place that knows both.
+
+Used by the SDK, the scheduler shell and the worker agent (edges only).
+"""
+
+from __future__ import annotations
+
+from bubblespec.api.v1 import rollout_pb2 as pb
+from bubblespec.client.types import (
+    Completion, FinishReason, Prompt, Provenance, SamplingParams, SchedulingPolicy, SourceStats, StepSummary,
+)
+
+__all__ = [
+    "completion_from_pb", "completion_to_pb", "policy_from_pb", "policy_to_pb", "prompt_from_pb",
+    "prompt_to_pb", "sampling_from_pb", "sampling_to_pb", "summary_from_pb", "summary_to_pb",
+]
+
+_POLICY_TO_PB = {
+    SchedulingPolicy.STATIC: pb.SCHEDULING_POLICY_STATIC,
+    SchedulingPolicy.QUEUE: pb.SCHEDULING_POLICY_QUEUE,
+    SchedulingPolicy.LONGEST_FIRST: pb.SCHEDULING_POLICY_LONGEST_FIRST,
+}
+_POLICY_FROM_PB = {v: k for k, v in _POLICY_TO_PB.items()}
+_FINISH_TO_PB = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}
+_FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
+
+
+def policy_to_pb(policy: SchedulingPolicy | None) -> int:
+    return pb.SCHEDULING_POLICY_UNSPECIFIED if policy is None else _POLICY_TO_PB[policy]
+
+
+def policy_from_pb(value: int) -> SchedulingPolicy | None:
+    """None for UNSPECIFIED; ValueError for numbers this version does not know."""
+    if value == pb.SCHEDULING_POLICY_UNSPECIFIED:
+        return None
+    if value not in _POLICY_FROM_PB:
+        raise ValueError(f"unknown scheduling policy {value}")
+    return _POLICY_FROM_PB[value]
+
+
+def sampling_to_pb(sp: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(
+        temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, max_tokens=sp.max_tokens,
+        stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids), n=sp.n, ignore_eos=sp.ignore_eos,
+    )
+    if sp.seed is not None:
+        msg.seed = sp.seed
+    return msg
+
+
+def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
+    """Proto3 zeros mean "unset" for top_p, top_k and n."""
+    return SamplingParams(
+        temperature=msg.temperature,
+        top_p=msg.top_p if msg.top_p != 0 else 1.0,
+        top_k=msg.top_k if msg.top_k != 0 else -1,
+        max_tokens=msg.max_tokens,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        seed=msg.seed if msg.HasField("seed") else None,
+        n=msg.n,
+        ignore_eos=msg.ignore_eos,
+    )
+
+
+def prompt_to_pb(p: Prompt) -> pb.Prompt:
+    if p.text is not None:
+        return pb.Prompt(prompt_id=p.prompt_id, text=p.text, max_tokens=p.max_tokens)
+    return pb.Prompt(prompt_id=p.prompt_id, token_ids=pb.TokenIds(ids=list(p.token_ids or ())), max_tokens=p.max_tokens)
+
+
+def prompt_from_pb(msg: pb.Prompt) -> Prompt:
+    kind = msg.WhichOneof("content")
+    return Prompt(
+        prompt_id=msg.prompt_id,
+        text=msg.text if kind == "text" else None,
+        token_ids=tuple(msg.token_ids.ids) if kind == "token_ids" else None,
+        max_tokens=msg.max_tokens,
+    )
+
+
+def provenance_to_pb(p: Provenance) -> pb.Provenance:
+    return pb.Provenance(
+        forward_passes=p.forward_passes,
+        sources=[pb.SourceStats(source=s.source, drafted_tokens=s.drafted_tokens, accepted_tokens=s.accepted_tokens)
+                 for s in p.sources],
+    )
+
+
+def provenance_from_pb(msg: pb.Provenance) -> Provenance:
+    return Provenance(
+        forward_passes=msg.forward_passes,
+        sources=tuple(SourceStats(s.source, s.drafted_tokens, s.accepted_tokens) for s in msg.sources),
+    )
+
+
+def completion_to_pb(c: Completion) -> pb.Completion:
+    return pb.Completion(
+        step_id=c.step_id, prompt_id=c.prompt_id, sample_index=c.sample_index, token_ids=list(c.token_ids),
+        logprobs=list(c.logprobs), text=c.text, finish_reason=_FINISH_TO_PB[c.finish_reason],
+        policy_version=c.policy_version, worker_id=c.worker_id, provenance=provenance_to_pb(c.provenance),
+        prompt_tokens=c.prompt_tokens,
+    )
+
+
+def completion_from_pb(msg: pb.Completion) -> Completion:
+    return Completion(
+        step_id=msg.step_id, prompt_id=msg.prompt_id, sample_index=msg.sample_index,
+        token_ids=tuple(msg.token_ids), logprobs=tuple(msg.logprobs), text=msg.text,
+        finish_reason=_FINISH_FROM_PB.get(msg.finish_reason, FinishReason.STOP),
+        policy_version=msg.policy_version, worker_id=msg.worker_id, prompt_tokens=msg.prompt_tokens,
+        provenance=provenance_from_pb(msg.provenance),
+    )
+
+
+def summary_to_pb(s: StepSummary) -> pb.StepSummary:
+    return pb.StepSummary(
+        step_id=s.step_id, policy_version=s.policy_version, completions=s.completions,
+        makespan_seconds=s.makespan_seconds, generated_tokens=s.generated_tokens,
+        provenance=provenance_to_pb(s.provenance), busy_worker_seconds=s.busy_worker_seconds,
+        idle_worker_seconds=s.idle_worker_seconds, drafting_worker_seconds=s.drafting_worker_seconds,
+        requests_moved=s.requests_moved, requests_requeued=s.requests_requeued,
+    )
+
+
+def summary_from_pb(msg: pb.StepSummary) -> StepSummary:
+    return StepSummary(
+        step_id=msg.step_id, policy_version=msg.policy_version, completions=msg.completions,
+        makespan_seconds=msg.makespan_seconds, generated_tokens=msg.generated_tokens,
+        provenance=provenance_from_pb(msg.provenance), busy_worker_seconds=msg.busy_worker_seconds,
+        idle_worker_seconds=msg.idle_worker_seconds, drafting_worker_seconds=msg.drafting_worker_seconds,
+        requests_moved=msg.requests_moved, requests_requeued=msg.requests_requeued,
+    )

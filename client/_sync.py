@@ -1,0 +1,109 @@
+"""Blocking client: I/O only; the logic is in ``_base``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+
+import grpc
+
+from bubblespec.api.v1 import rollout_pb2 as pb
+from bubblespec.api.v1 import rollout_pb2_grpc as pbg
+from bubblespec.client import _base
+from bubblespec.client import _convert as cv
+from bubblespec.client._base import ClientSettings, PromptLike, StepCollector
+from bubblespec.client.errors import ServiceUnavailable
+from bubblespec.client.types import Completion, SamplingParams, SchedulingPolicy, StepResult
+
+__all__ = ["RolloutClient"]
+
+
+class RolloutClient:
+    """Synchronous SDK. ``RolloutClient("host:50051", token=...)`` or pass ``settings=``."""
+
+    def __init__(self, target: str | None = None, *, settings: ClientSettings | None = None, **kwargs):
+        settings = settings or ClientSettings(**kwargs)
+        self.settings = settings if target is None else ClientSettings(**{**settings.__dict__, "target": target})
+        creds = self.settings.credentials()
+        opts = self.settings.options()
+        self._channel = (grpc.secure_channel(self.settings.target, creds, opts) if creds
+                         else grpc.insecure_channel(self.settings.target, opts))
+        self._stub = pbg.RolloutStub(self._channel)
+
+    def __enter__(self) -> RolloutClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _unary(self, method, request, timeout: float):
+        delays = self.settings.retry.delays()
+        while True:
+            try:
+                return method(request, timeout=timeout, metadata=self.settings.metadata(), wait_for_ready=True)
+            except grpc.RpcError as exc:
+                err = _base.translate(exc)
+                delay = next(delays, None) if _base.should_retry(err) else None
+                if delay is None:
+                    raise err from None
+                time.sleep(delay)
+
+    def stream(self, step: str | int, prompts: Sequence[PromptLike], sampling: SamplingParams = SamplingParams(), *,
+               policy_version: int = 0, n: int | None = None, lookahead: Sequence[PromptLike] = (),
+               policy: SchedulingPolicy | None = None, drafts: bool = True, straggler_watch: bool = True,
+               on_progress=None, _collector: StepCollector | None = None) -> Iterator[Completion]:
+        """Yield each completion of the step once, as it finishes (resuming across retries)."""
+        request = _base.make_generate_request(step, policy_version, prompts, sampling, n, lookahead, policy,
+                                              drafts, straggler_watch)
+        collector = _collector or StepCollector(request, on_progress)
+        delays = self.settings.retry.delays()
+        while not collector.done:
+            try:
+                for msg in self._stub.Generate(request, timeout=self.settings.step_timeout_seconds,
+                                               metadata=self.settings.metadata(), wait_for_ready=True):
+                    c = collector.add(msg)
+                    if c is not None:
+                        yield c
+                if not collector.done:
+                    raise ServiceUnavailable("stream ended before the step finished")
+            except (grpc.RpcError, ServiceUnavailable) as exc:
+                err = _base.translate(exc) if isinstance(exc, grpc.RpcError) else exc
+                delay = next(delays, None) if _base.should_retry(err) else None
+                if delay is None:
+                    raise err from None
+                time.sleep(delay)
+
+    def generate(self, step: str | int, prompts: Sequence[PromptLike], sampling: SamplingParams = SamplingParams(), *,
+                 progress: bool = False, on_progress=None, **kwargs) -> StepResult:
+        """Run one rollout step; return every completion (prompt order, then sample index) and a summary."""
+        request = _base.make_generate_request(step, kwargs.get("policy_version", 0), prompts, sampling,
+                                              kwargs.get("n"))
+        if progress and on_progress is None:
+            on_progress = _base.progress_bar(len(request.prompts) * max(1, request.sampling.n))
+        collector = StepCollector(request, on_progress)
+        for _ in self.stream(step, prompts, sampling, _collector=collector, **kwargs):
+            pass
+        return collector.result()
+
+    def announce(self, prompts: Sequence[PromptLike], sampling: SamplingParams = SamplingParams()) -> int:
+        """Tell the scheduler about prompts of upcoming steps (draft targets)."""
+        req = pb.AnnounceRequest(prompts=[cv.prompt_to_pb(p) for p in _base.to_prompts(prompts)],
+                                 sampling=cv.sampling_to_pb(sampling))
+        return self._unary(self._stub.Announce, req, self.settings.timeout_seconds).accepted
+
+    def update_policy(self, version: int, weights_path: str) -> int:
+        """Make every live worker load ``weights_path`` as ``version``; returns the worker count."""
+        req = pb.UpdatePolicyRequest(version=version, weights_path=weights_path)
+        return self._unary(self._stub.UpdatePolicy, req, self.settings.step_timeout_seconds).workers_loaded
+
+    def status(self) -> dict:
+        import json
+
+        return json.loads(self._unary(self._stub.Status, pb.StatusRequest(), self.settings.timeout_seconds).json)
+
+    def cancel(self, step: str | int) -> int:
+        req = pb.CancelRequest(step_id=str(step))
+        return self._unary(self._stub.Cancel, req, self.settings.timeout_seconds).cancelled_requests

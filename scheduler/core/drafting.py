@@ -1,0 +1,73 @@
+"""Draft planning: which upcoming prompt an idle worker should pre-generate next.
+
+Value order: prompts with fewer drafts first, then prompts predicted long first (long
+responses are where speculation saves the most forward passes), then announcement order.
+A heap with lazy invalidation keeps each pick O(log n) for the simulator's scale.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+
+from bubblespec.client.types import SamplingParams
+
+__all__ = ["DraftPlanner", "Upcoming"]
+
+
+@dataclass
+class Upcoming:
+    """An announced prompt of a future step, and what drafting has done for it."""
+
+    token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    for_step: str
+    drafts: int = 0
+    in_flight: int = 0
+    predicted_len: float = 0.0
+
+
+class DraftPlanner:
+    def __init__(self) -> None:
+        self.upcoming: dict[tuple[int, ...], Upcoming] = {}
+        self._heap: list[tuple[int, float, int, tuple[int, ...]]] = []
+        self._seq = itertools.count()
+
+    def announce(self, token_ids: tuple[int, ...], sampling: SamplingParams, for_step: str, predicted: float) -> None:
+        if token_ids in self.upcoming:
+            return
+        self.upcoming[token_ids] = Upcoming(token_ids, sampling, for_step, predicted_len=predicted)
+        self._push(token_ids)
+
+    def forget(self, token_ids: tuple[int, ...]) -> None:
+        """The prompt's step has arrived: stop planning drafts for it."""
+        self.upcoming.pop(token_ids, None)
+
+    def pick(self) -> Upcoming | None:
+        """The most valuable prompt that has no draft job in flight, or None."""
+        while self._heap:
+            covered, neg_len, _, key = heapq.heappop(self._heap)
+            up = self.upcoming.get(key)
+            if up is None or up.in_flight or (up.drafts + up.in_flight, -up.predicted_len) != (covered, neg_len):
+                continue  # stale entry
+            up.in_flight += 1
+            return up
+        return None
+
+    def done(self, token_ids: tuple[int, ...], produced: bool) -> None:
+        up = self.upcoming.get(token_ids)
+        if up is None:
+            return
+        up.in_flight = max(0, up.in_flight - 1)
+        if produced:
+            up.drafts += 1
+        self._push(token_ids)
+
+    def coverage(self) -> tuple[int, int]:
+        """(prompts with at least one draft, prompts announced)."""
+        return sum(1 for u in self.upcoming.values() if u.drafts), len(self.upcoming)
+
+    def _push(self, key: tuple[int, ...]) -> None:
+        up = self.upcoming[key]
+        heapq.heappush(self._heap, (up.drafts + up.in_flight, -up.predicted_len, next(self._seq), key))

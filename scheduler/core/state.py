@@ -1,0 +1,553 @@
+"""The scheduler's decision logic: a pure state machine (no I/O, no asyncio, clock injected).
+
+Events in (``add_worker``, ``submit_step``, ``on_completion``, ``tick``, ...), actions out
+(``Assign``, ``Deliver``, ``LoadPolicy``, ...). The gRPC shell, the tests and the cluster
+simulator all drive this same class.
+
+Dispatch: every worker has a private queue (filled up front by the ``static`` policy) and
+every step a shared queue (``queue`` and ``longest-first``). A worker takes from its private
+queue first, then from the shared queues of steps in arrival order, up to its capacity, and
+only work of the policy version it has loaded. Work of a dead worker, and queued work of a
+straggler, goes to the step's shared queue. A worker with nothing left to take drafts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from bubblespec.client.types import Completion, Provenance, SamplingParams, SchedulingPolicy, StepSummary
+from bubblespec.scheduler.core.drafting import DraftPlanner
+from bubblespec.scheduler.core.types import (
+    Abort, Action, Assign, Deliver, DraftJobSpec, InvalidRequest, LoadPolicy, ModelLimits,
+    PolicyReady, RequestSpec, StartDraft, StepFinished, StepSpec, StopDraft, Timeline, WorkerHello,
+)
+
+__all__ = ["CoreSettings", "SchedulerCore"]
+
+
+@dataclass(frozen=True)
+class CoreSettings:
+    """Tunables of the scheduling core."""
+
+    worker_timeout_seconds: float = 10.0
+    """A worker silent for this long is declared dead; its work is re-queued."""
+    straggler_ratio: float = 0.5
+    """A worker slower than this share of the median throughput is a straggler."""
+    straggler_grace_seconds: float = 2.0
+    """A worker is not judged before it has been busy this long in the step."""
+    stall_seconds: float = 30.0
+    """A running request with no progress for this long is moved to another worker."""
+    keep_steps: int = 32
+    """Finished steps kept for resume and status."""
+    drafting: bool = True
+    """Send idle workers draft jobs for upcoming prompts."""
+    timeline_segments: int = 256
+    """Timeline segments kept per worker (for the UI)."""
+
+
+@dataclass
+class WorkerState:
+    hello: WorkerHello
+    version: int
+    joined_at: float
+    last_seen: float
+    loading: int | None = None
+    load_failed: int | None = None
+    running: set[str] = field(default_factory=set)
+    private: deque[str] = field(default_factory=deque)
+    drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # job id -> prompt
+    tokens_per_second: float = 0.0
+    state: str = "idle"
+    state_since: float = 0.0
+    timeline: Timeline = field(default_factory=Timeline)
+
+    @property
+    def capacity(self) -> int:
+        return self.hello.capacity
+
+
+@dataclass
+class RequestState:
+    spec: RequestSpec
+    worker: str | None = None
+    started_at: float = 0.0
+    progress: int = 0
+    progress_at: float = 0.0
+    done: bool = False
+
+
+@dataclass
+class StepState:
+    spec: StepSpec
+    requests: dict[str, RequestState]
+    shared: deque[str]
+    started_at: float
+    completions: dict[str, Completion] = field(default_factory=dict)
+    finished_at: float | None = None
+    cancelled: bool = False
+    moved: int = 0
+    requeued: int = 0
+    busy: float = 0.0
+    idle: float = 0.0
+    drafting: float = 0.0
+    summary: StepSummary | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.finished_at is None
+
+
+class SchedulerCore:
+    def __init__(self, settings: CoreSettings = CoreSettings(), clock: Callable[[], float] = lambda: 0.0):
+        self.settings = settings
+        self.clock = clock
+        self.workers: dict[str, WorkerState] = {}
+        self.steps: dict[str, StepState] = {}
+        self.version = 0
+        self.weights_path = ""
+        self.limits: ModelLimits | None = None
+        self.planner = DraftPlanner()
+        self.lengths: dict[tuple[int, ...], float] = {}
+        self._barrier: int | None = None
+        self._jobs = itertools.count()
+
+    # ------------------------------------------------------------- workers --
+
+    def add_worker(self, hello: WorkerHello) -> list[Action]:
+        now = self.clock()
+        if hello.worker_id in self.workers:
+            raise InvalidRequest("hello.worker_id", f"worker {hello.worker_id!r} is already connected", "ALREADY_EXISTS")
+        if hello.capacity < 1:
+            raise InvalidRequest("hello.capacity", f"must be >= 1, got {hello.capacity}")
+        if self.limits is not None and hello.limits != self.limits:
+            raise InvalidRequest("hello", f"model limits {hello.limits} differ from the cluster's {self.limits}", "FAILED_PRECONDITION")
+        self.limits = hello.limits
+        w = WorkerState(hello, hello.policy_version, now, now, state_since=now)
+        self.workers[hello.worker_id] = w
+        actions: list[Action] = []
+        if w.version != self.version:
+            if not self.weights_path:
+                raise InvalidRequest("hello.policy_version", f"worker has version {w.version}; the cluster runs {self.version} and has no weights path to send", "FAILED_PRECONDITION")
+            w.loading = self.version
+            actions.append(LoadPolicy(w.hello.worker_id, self.version, self.weights_path))
+        self._set_state(w, now)
+        return actions + self._fill_all()
+
+    def remove_worker(self, worker_id: str) -> list[Action]:
+        """The worker's stream ended or it timed out: re-queue everything it held."""
+        w = self.workers.pop(worker_id, None)
+        if w is None:
+            return []
+        now = self.clock()
+        self._close_state(w, now)
+        for key in list(w.running) + list(w.private):
+            step = self.steps.get(_step_of(key))
+            req = step.requests.get(key) if step else None
+            if step and req and not req.done and step.active:
+                req.worker = None
+                step.shared.appendleft(key)
+                step.requeued += 1
+        for prompt in w.drafts.values():
+            self.planner.done(prompt, produced=False)
+        return self._check_barrier() + self._fill_all()
+
+    def heartbeat(self, worker_id: str, tokens_per_second: float) -> None:
+        w = self.workers.get(worker_id)
+        if w is not None:
+            w.last_seen = self.clock()
+            w.tokens_per_second = tokens_per_second
+
+    def touch(self, worker_id: str) -> None:
+        """Any message from a worker proves it is alive."""
+        w = self.workers.get(worker_id)
+        if w is not None:
+            w.last_seen = self.clock()
+
+    # ---------------------------------------------------------------- steps --
+
+    def check_step(self, spec: StepSpec) -> StepState | None:
+        """Refuse a step that conflicts with state; return the existing one on resume."""
+        existing = self.steps.get(spec.step_id)
+        if existing is not None:
+            if existing.spec.fingerprint != spec.fingerprint:
+                raise InvalidRequest("step_id", f"step {spec.step_id!r} exists with different content", "ALREADY_EXISTS")
+            return existing
+        if spec.policy_version != self.version:
+            raise InvalidRequest("policy_version", f"{spec.policy_version} is not the current policy version {self.version}", "FAILED_PRECONDITION")
+        return None
+
+    def submit_step(self, spec: StepSpec) -> list[Action]:
+        if self.check_step(spec) is not None:
+            return []  # resume: nothing new to schedule
+        now = self.clock()
+        self._flush_time(now)
+        reqs = {r.key: RequestState(r) for r in _expand(spec)}
+        order = list(reqs)
+        if spec.policy is SchedulingPolicy.LONGEST_FIRST:
+            order.sort(key=lambda k: -self.lengths.get(reqs[k].spec.prompt_token_ids, 0.0))
+        step = StepState(spec, reqs, deque(), now)
+        self.steps[spec.step_id] = step
+        live = [w for w in self.workers.values() if w.load_failed is None]
+        if spec.policy is SchedulingPolicy.STATIC and live:
+            for i, keys in enumerate(_split(order, len(live))):
+                live[i].private.extend(keys)
+        else:
+            step.shared.extend(order)
+        for p in spec.prompts:
+            self.planner.forget(p.token_ids)
+        for ids in spec.lookahead:
+            self.planner.announce(ids, spec.sampling, "", self.lengths.get(ids, 0.0))
+        self._trim_steps()
+        return self._fill_all()
+
+    def announce(self, prompts: list[tuple[int, ...]], sampling: SamplingParams) -> int:
+        for ids in prompts:
+            self.planner.announce(ids, sampling, "", self.lengths.get(ids, 0.0))
+        return len(prompts)
+
+    def cancel_step(self, step_id: str) -> list[Action]:
+        step = self.steps.get(step_id)
+        if step is None:
+            raise InvalidRequest("step_id", f"no step {step_id!r}", "NOT_FOUND")
+        if not step.active:
+            return []
+        step.cancelled = True
+        actions: list[Action] = []
+        for key, req in step.requests.items():
+            if req.worker and not req.done and key in self.workers.get(req.worker, _NOBODY).running:
+                self.workers[req.worker].running.discard(key)
+                actions.append(Abort(req.worker, key))
+        for w in self.workers.values():
+            w.private = deque(k for k in w.private if _step_of(k) != step_id)
+        step.shared.clear()
+        return actions + self._finish(step) + self._fill_all()
+
+    # ------------------------------------------------------------- progress --
+
+    def on_progress(self, worker_id: str, key: str, tokens: int) -> None:
+        req = self._owned(worker_id, key)
+        if req is not None and tokens > req.progress:
+            req.progress, req.progress_at = tokens, self.clock()
+
+    def on_completion(self, worker_id: str, key: str, completion: Completion) -> list[Action]:
+        """Accept a completion once, from the worker that holds the request; else ignore."""
+        req = self._owned(worker_id, key)
+        if req is None:
+            return []
+        step = self.steps[req.spec.step_id]
+        w = self.workers[worker_id]
+        w.last_seen = self.clock()
+        w.running.discard(key)
+        if completion.policy_version != step.spec.policy_version:
+            req.worker = None
+            step.shared.appendleft(key)
+            step.requeued += 1
+            return self._fill(w)
+        req.done = True
+        step.completions[key] = completion
+        prompt = req.spec.prompt_token_ids
+        self.lengths[prompt] = 0.5 * self.lengths.get(prompt, len(completion.token_ids)) + 0.5 * len(completion.token_ids)
+        actions: list[Action] = [Deliver(step.spec.step_id, completion)]
+        if len(step.completions) == len(step.requests):
+            actions += self._finish(step)
+        actions += self._fill(w)
+        return actions
+
+    def on_aborted(self, worker_id: str, key: str) -> list[Action]:
+        """The worker could not run the request: give it to someone else."""
+        req = self._owned(worker_id, key)
+        if req is None:
+            return []
+        step = self.steps[req.spec.step_id]
+        self.workers[worker_id].running.discard(key)
+        req.worker = None
+        step.shared.appendleft(key)
+        step.requeued += 1
+        return self._fill_all()
+
+    def on_draft_result(self, worker_id: str, job_id: str, tokens: int) -> list[Action]:
+        w = self.workers.get(worker_id)
+        if w is None or job_id not in w.drafts:
+            return []
+        prompt = w.drafts.pop(job_id)
+        self.planner.done(prompt, produced=tokens > 0)
+        self._set_state(w, self.clock())
+        return self._fill(w)
+
+    # --------------------------------------------------------------- policy --
+
+    def update_policy(self, version: int, weights_path: str) -> list[Action]:
+        if version <= self.version:
+            raise InvalidRequest("version", f"must be greater than the current version {self.version}, got {version}", "FAILED_PRECONDITION")
+        if not weights_path:
+            raise InvalidRequest("weights_path", "is empty")
+        running = [s.spec.step_id for s in self.steps.values() if s.active]
+        if running:
+            raise InvalidRequest("version", f"step {running[0]!r} is still running", "FAILED_PRECONDITION")
+        self.version, self.weights_path, self._barrier = version, weights_path, version
+        actions: list[Action] = []
+        for w in self.workers.values():
+            actions += self._stop_drafts(w)
+            w.loading, w.load_failed = version, None
+            actions.append(LoadPolicy(w.hello.worker_id, version, weights_path))
+            self._set_state(w, self.clock())
+        return actions + self._check_barrier()
+
+    def on_policy_loaded(self, worker_id: str, version: int, ok: bool) -> list[Action]:
+        w = self.workers.get(worker_id)
+        if w is None or w.loading != version:
+            return []
+        w.loading = None
+        if ok:
+            w.version = version
+        else:
+            w.load_failed = version
+        self._set_state(w, self.clock())
+        return self._check_barrier() + self._fill_all()
+
+    def _check_barrier(self) -> list[Action]:
+        if self._barrier is None or any(w.loading == self._barrier for w in self.workers.values()):
+            return []
+        version, self._barrier = self._barrier, None
+        loaded = sum(1 for w in self.workers.values() if w.version == version)
+        return [PolicyReady(version, loaded)]
+
+    # ----------------------------------------------------------------- tick --
+
+    def tick(self) -> list[Action]:
+        """Periodic checks: dead workers, stragglers, stalled requests."""
+        now = self.clock()
+        actions: list[Action] = []
+        for w in [w for w in self.workers.values() if now - w.last_seen > self.settings.worker_timeout_seconds]:
+            actions += self.remove_worker(w.hello.worker_id)
+        for step in [s for s in self.steps.values() if s.active and s.spec.straggler_watch]:
+            actions += self._rebalance(step, now)
+        return actions
+
+    def _rebalance(self, step: StepState, now: float) -> list[Action]:
+        rates = [w.tokens_per_second for w in self.workers.values() if w.running and w.tokens_per_second > 0]
+        median = statistics.median(rates) if rates else 0.0
+        moved: list[str] = []
+        actions: list[Action] = []
+        for w in self.workers.values():
+            slow = (median > 0 and w.running and now - step.started_at > self.settings.straggler_grace_seconds
+                    and w.tokens_per_second < self.settings.straggler_ratio * median)
+            if slow:
+                mine = [k for k in w.private if _step_of(k) == step.spec.step_id]
+                w.private = deque(k for k in w.private if _step_of(k) != step.spec.step_id)
+                moved += mine
+            for key in list(w.running):
+                req = step.requests.get(key)
+                if req and now - max(req.progress_at, req.started_at) > self.settings.stall_seconds:
+                    w.running.discard(key)
+                    req.worker = None
+                    actions.append(Abort(w.hello.worker_id, key))
+                    moved.append(key)
+        step.shared.extendleft(reversed(moved))
+        step.moved += len(moved)
+        if moved:
+            actions += self._fill_all()
+        return actions
+
+    # ------------------------------------------------------------- dispatch --
+
+    def _fill_all(self) -> list[Action]:
+        """Spread available work evenly: rounds of one sample group per worker, least loaded first."""
+        actions: list[Action] = []
+        progress = True
+        while progress:
+            progress = False
+            for w in sorted(self.workers.values(), key=lambda w: len(w.running) / w.capacity):
+                before = len(w.running)
+                actions += self._fill(w, limit=self._group_size())
+                progress = progress or len(w.running) > before
+        for w in self.workers.values():
+            actions += self._fill(w, limit=0)  # idle workers without work: drafts
+        return actions
+
+    def _group_size(self) -> int:
+        step = self._current_step()
+        return step.spec.sampling.n if step is not None else 1
+
+    def _fill(self, w: WorkerState, limit: int | None = None) -> list[Action]:
+        """Give ``w`` up to ``limit`` more requests (default: up to its capacity)."""
+        if w.loading is not None or w.load_failed is not None or w.hello.worker_id not in self.workers:
+            return []
+        now = self.clock()
+        actions: list[Action] = []
+        budget = w.capacity if limit is None else limit
+        while len(w.running) < w.capacity and budget > 0:
+            budget -= 1
+            key = self._next_for(w)
+            if key is None:
+                break
+            if w.drafts:
+                actions += self._stop_drafts(w)
+            step = self.steps[_step_of(key)]
+            req = step.requests[key]
+            req.worker, req.started_at, req.progress, req.progress_at = w.hello.worker_id, now, 0, now
+            w.running.add(key)
+            actions.append(Assign(w.hello.worker_id, req.spec))
+        if not w.running:
+            actions += self._plan_drafts(w)
+        self._set_state(w, now)
+        return actions
+
+    def _next_for(self, w: WorkerState) -> str | None:
+        while w.private:
+            key = w.private.popleft()
+            if self._takeable(w, key):
+                return key
+        for step in self.steps.values():
+            if step.active and step.spec.policy_version == w.version:
+                while step.shared:
+                    key = step.shared.popleft()
+                    if self._takeable(w, key):
+                        return key
+        return None
+
+    def _takeable(self, w: WorkerState, key: str) -> bool:
+        step = self.steps.get(_step_of(key))
+        if step is None or not step.active:
+            return False
+        req = step.requests[key]
+        if req.done or req.worker is not None:
+            return False
+        if step.spec.policy_version != w.version:
+            step.shared.append(key)  # someone with the right version will take it
+            return False
+        return True
+
+    def _plan_drafts(self, w: WorkerState) -> list[Action]:
+        if not (self.settings.drafting and w.hello.speculation and w.version == self.version):
+            return []
+        if not any(s.active and s.spec.use_drafts for s in self.steps.values()):
+            return []
+        actions: list[Action] = []
+        while len(w.drafts) < w.capacity:
+            up = self.planner.pick()
+            if up is None:
+                break
+            job = DraftJobSpec(f"d{next(self._jobs)}", up.token_ids, up.sampling, self.version, up.for_step)
+            w.drafts[job.job_id] = up.token_ids
+            actions.append(StartDraft(w.hello.worker_id, job))
+        return actions
+
+    def _stop_drafts(self, w: WorkerState) -> list[Action]:
+        actions: list[Action] = [StopDraft(w.hello.worker_id, job) for job in w.drafts]
+        for prompt in w.drafts.values():
+            self.planner.done(prompt, produced=False)
+        w.drafts.clear()
+        return actions
+
+    # --------------------------------------------------------------- finish --
+
+    def _finish(self, step: StepState) -> list[Action]:
+        now = self.clock()
+        self._flush_time(now)
+        step.finished_at = now
+        comps = step.completions.values()
+        prov = sum((c.provenance for c in comps), Provenance())
+        step.summary = StepSummary(
+            step_id=step.spec.step_id, policy_version=step.spec.policy_version,
+            completions=len(step.completions), makespan_seconds=now - step.started_at,
+            generated_tokens=sum(len(c.token_ids) for c in comps), provenance=prov,
+            busy_worker_seconds=step.busy, idle_worker_seconds=step.idle,
+            drafting_worker_seconds=step.drafting, requests_moved=step.moved,
+            requests_requeued=step.requeued,
+        )
+        actions: list[Action] = []
+        if not any(s.active for s in self.steps.values()):
+            for w in self.workers.values():
+                actions += self._stop_drafts(w)
+                self._set_state(w, now)
+        return actions + [StepFinished(step.spec.step_id, step.summary)]
+
+    def _trim_steps(self) -> None:
+        done = [sid for sid, s in self.steps.items() if not s.active]
+        for sid in done[: max(0, len(done) - self.settings.keep_steps)]:
+            del self.steps[sid]
+
+    # ------------------------------------------------------- time accounting --
+
+    def _set_state(self, w: WorkerState, now: float) -> None:
+        state = ("loading" if w.loading is not None else "busy" if w.running
+                 else "drafting" if w.drafts else "idle")
+        if state != w.state:
+            self._close_state(w, now)
+            w.state, w.state_since = state, now
+
+    def _close_state(self, w: WorkerState, now: float) -> None:
+        elapsed = now - w.state_since
+        if elapsed <= 0:
+            return
+        bucket = "busy" if w.state in ("busy", "loading") else w.state
+        setattr(w.timeline, bucket, getattr(w.timeline, bucket) + elapsed)
+        segs = w.timeline.segments
+        segs.append((w.state, w.state_since, now))
+        if len(segs) > self.settings.timeline_segments:
+            del segs[: len(segs) - self.settings.timeline_segments]
+        step = self._current_step()
+        if step is not None:
+            start = max(w.state_since, step.started_at)
+            setattr(step, bucket, getattr(step, bucket) + max(0.0, now - start))
+        w.state_since = now
+
+    def _flush_time(self, now: float) -> None:
+        for w in self.workers.values():
+            self._close_state(w, now)
+
+    def _current_step(self) -> StepState | None:
+        for step in self.steps.values():
+            if step.active:
+                return step
+        return None
+
+    def _owned(self, worker_id: str, key: str) -> RequestState | None:
+        step = self.steps.get(_step_of(key))
+        req = step.requests.get(key) if step else None
+        if req is None or req.done or req.worker != worker_id or not step.active:  # type: ignore[union-attr]
+            return None
+        return req
+
+    # ---------------------------------------------------------------- views --
+
+    def status(self) -> dict:
+        """A JSON-able snapshot for /status and the UI."""
+        from bubblespec.scheduler.core.status import snapshot
+
+        return snapshot(self)
+
+
+_NOBODY = WorkerState(WorkerHello("", 1, 0, ModelLimits(1, 1)), 0, 0.0, 0.0)
+
+
+def request_key(step_id: str, prompt_id: str, sample_index: int) -> str:
+    return f"{step_id}/{prompt_id}/{sample_index}"
+
+
+def _step_of(key: str) -> str:
+    return key.split("/", 1)[0]
+
+
+def _expand(spec: StepSpec) -> list[RequestSpec]:
+    from dataclasses import replace
+
+    out = []
+    for p in spec.prompts:
+        for i in range(spec.sampling.n):
+            seed = None if spec.sampling.seed is None else spec.sampling.seed + i
+            sampling = replace(spec.sampling, n=1, seed=seed, max_tokens=p.max_tokens)
+            out.append(RequestSpec(request_key(spec.step_id, p.prompt_id, i), spec.step_id, p.prompt_id, i,
+                                   p.token_ids, sampling, spec.policy_version, spec.use_drafts, spec.sampling.n))
+    return out
+
+
+def _split(keys: list[str], parts: int) -> list[list[str]]:
+    """Contiguous, even chunks (samples of one prompt stay together where sizes allow)."""
+    n = len(keys)
+    return [keys[i * n // parts:(i + 1) * n // parts] for i in range(parts)]

@@ -1,0 +1,173 @@
+"""Data the scheduler core takes in and the actions it gives back (frozen dataclasses).
+
+The core never does I/O: the shell feeds it events (a worker said hello, a completion
+arrived, a tick) and executes the actions it returns (send this assignment, deliver this
+completion, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bubblespec.client.types import Completion, SamplingParams, SchedulingPolicy, StepSummary
+
+__all__ = [
+    "Abort",
+    "Action",
+    "Assign",
+    "Deliver",
+    "DraftJobSpec",
+    "InvalidRequest",
+    "LoadPolicy",
+    "ModelLimits",
+    "PolicyReady",
+    "PromptSpec",
+    "RequestSpec",
+    "StartDraft",
+    "StepFinished",
+    "StepSpec",
+    "StopDraft",
+    "WorkerHello",
+]
+
+
+class InvalidRequest(ValueError):
+    """A request the core refuses. ``field`` names the offending field; ``code`` is a gRPC
+    status name (INVALID_ARGUMENT, FAILED_PRECONDITION, ALREADY_EXISTS, UNAVAILABLE, ...)."""
+
+    def __init__(self, field: str, message: str, code: str = "INVALID_ARGUMENT"):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    max_model_len: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class WorkerHello:
+    worker_id: str
+    capacity: int
+    policy_version: int
+    limits: ModelLimits
+    speculation: bool = False
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    prompt_id: str
+    token_ids: tuple[int, ...]
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """A validated step. ``fingerprint`` identifies its content (for idempotent resume)."""
+
+    step_id: str
+    policy_version: int
+    prompts: tuple[PromptSpec, ...]
+    sampling: SamplingParams
+    lookahead: tuple[tuple[int, ...], ...] = ()
+    policy: SchedulingPolicy = SchedulingPolicy.QUEUE
+    use_drafts: bool = True
+    straggler_watch: bool = True
+    fingerprint: str = ""
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prompts) * self.sampling.n
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One (prompt, sample) of a step: the unit of dispatch."""
+
+    key: str
+    step_id: str
+    prompt_id: str
+    sample_index: int
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams  # n = 1, seed offset by sample_index, per-prompt max_tokens
+    policy_version: int
+    use_drafts: bool
+    group_size: int
+
+
+@dataclass(frozen=True)
+class DraftJobSpec:
+    """Generate a draft response for an upcoming prompt under the current policy."""
+
+    job_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    policy_version: int
+    for_step: str = ""
+
+
+# ------------------------------------------------------------------ actions --
+
+
+@dataclass(frozen=True)
+class Assign:
+    worker_id: str
+    request: RequestSpec
+
+
+@dataclass(frozen=True)
+class Abort:
+    worker_id: str
+    key: str
+
+
+@dataclass(frozen=True)
+class LoadPolicy:
+    worker_id: str
+    version: int
+    weights_path: str
+
+
+@dataclass(frozen=True)
+class StartDraft:
+    worker_id: str
+    job: DraftJobSpec
+
+
+@dataclass(frozen=True)
+class StopDraft:
+    worker_id: str
+    job_id: str
+
+
+@dataclass(frozen=True)
+class Deliver:
+    step_id: str
+    completion: Completion
+
+
+@dataclass(frozen=True)
+class StepFinished:
+    step_id: str
+    summary: StepSummary
+
+
+@dataclass(frozen=True)
+class PolicyReady:
+    version: int
+    workers: int
+
+
+Action = Assign | Abort | LoadPolicy | StartDraft | StopDraft | Deliver | StepFinished | PolicyReady
+
+
+@dataclass
+class Timeline:
+    """Busy / idle / drafting seconds of one worker, plus recent segments for the UI."""
+
+    busy: float = 0.0
+    idle: float = 0.0
+    drafting: float = 0.0
+    segments: list[tuple[str, float, float]] = field(default_factory=list)

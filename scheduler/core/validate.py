@@ -1,0 +1,132 @@
+"""Validation of trainer requests: every check names the offending field.
+
+``build_step`` turns a trainer's request (client types) into a ``StepSpec`` or raises
+``InvalidRequest``. It reads nothing but its arguments, so a refused request changes no state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from bubblespec.client.types import Prompt, SamplingParams, SchedulingPolicy
+from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits, PromptSpec, StepSpec
+
+__all__ = ["Limits", "build_step", "check_sampling", "prompt_tokens"]
+
+_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+Tokenize = Callable[[str], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Request-size limits of the service (scheduler settings)."""
+
+    max_prompts: int = 65536
+    max_samples: int = 64
+    max_lookahead: int = 65536
+    max_stop_strings: int = 16
+
+
+def _check_id(value: str, field: str) -> None:
+    if not isinstance(value, str) or not _ID.match(value):
+        raise InvalidRequest(field, f"must be 1-128 characters of [A-Za-z0-9._:-], got {value!r:.80}")
+
+
+def check_sampling(sp: SamplingParams, limits: Limits, model: ModelLimits) -> None:
+    if not isinstance(sp.n, int) or not 1 <= sp.n <= limits.max_samples:
+        raise InvalidRequest("sampling.n", f"must be between 1 and {limits.max_samples}, got {sp.n}")
+    if not math.isfinite(sp.temperature) or sp.temperature < 0:
+        raise InvalidRequest("sampling.temperature", f"must be a finite number >= 0, got {sp.temperature}")
+    if not math.isfinite(sp.top_p) or not 0 < sp.top_p <= 1:
+        raise InvalidRequest("sampling.top_p", f"must be in (0, 1], got {sp.top_p}")
+    if sp.top_k == 0 or sp.top_k < -1:
+        raise InvalidRequest("sampling.top_k", f"must be -1 (off) or >= 1, got {sp.top_k}")
+    if not 1 <= sp.max_tokens < model.max_model_len:
+        raise InvalidRequest(
+            "sampling.max_tokens", f"must be between 1 and {model.max_model_len - 1} (model length), got {sp.max_tokens}"
+        )
+    if len(sp.stop) > limits.max_stop_strings or any(not s for s in sp.stop):
+        raise InvalidRequest("sampling.stop", f"at most {limits.max_stop_strings} non-empty strings")
+    for i, tok in enumerate(sp.stop_token_ids):
+        if not 0 <= tok < model.vocab_size:
+            raise InvalidRequest(f"sampling.stop_token_ids[{i}]", f"{tok} is outside the vocabulary [0, {model.vocab_size})")
+    if sp.seed is not None and not 0 <= sp.seed < 2**62:
+        raise InvalidRequest("sampling.seed", f"must be in [0, 2**62), got {sp.seed}")
+
+
+def prompt_tokens(p: Prompt, field: str, model: ModelLimits, tokenize: Tokenize | None) -> tuple[int, ...]:
+    if (p.text is None) == (p.token_ids is None):
+        raise InvalidRequest(field, "set exactly one of text and token_ids")
+    if p.text is not None:
+        if tokenize is None:
+            raise InvalidRequest(f"{field}.text", "the scheduler has no tokenizer configured; send token_ids")
+        ids = tuple(tokenize(p.text))
+    else:
+        ids = tuple(p.token_ids)  # type: ignore[arg-type]
+        for j, tok in enumerate(ids):
+            if not isinstance(tok, int) or not 0 <= tok < model.vocab_size:
+                raise InvalidRequest(f"{field}.token_ids[{j}]", f"{tok} is outside the vocabulary [0, {model.vocab_size})")
+    if not ids:
+        raise InvalidRequest(field, "prompt is empty")
+    if len(ids) >= model.max_model_len:
+        raise InvalidRequest(field, f"prompt has {len(ids)} tokens; the model length is {model.max_model_len}")
+    return ids
+
+
+def _prompts(prompts: Sequence[Prompt], sp: SamplingParams, model: ModelLimits, tokenize: Tokenize | None):
+    seen: set[str] = set()
+    out = []
+    for i, p in enumerate(prompts):
+        field = f"prompts[{i}]"
+        _check_id(p.prompt_id, f"{field}.prompt_id")
+        if p.prompt_id in seen:
+            raise InvalidRequest(f"{field}.prompt_id", f"duplicate prompt id {p.prompt_id!r}")
+        seen.add(p.prompt_id)
+        ids = prompt_tokens(p, field, model, tokenize)
+        max_tokens = p.max_tokens or sp.max_tokens
+        if max_tokens < 0:
+            raise InvalidRequest(f"{field}.max_tokens", f"must be >= 0, got {p.max_tokens}")
+        if len(ids) + max_tokens > model.max_model_len:
+            raise InvalidRequest(
+                f"{field}.max_tokens",
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model length {model.max_model_len}",
+            )
+        out.append(PromptSpec(p.prompt_id, ids, max_tokens))
+    return tuple(out)
+
+
+def build_step(
+    *,
+    step_id: str,
+    policy_version: int,
+    prompts: Sequence[Prompt],
+    sampling: SamplingParams,
+    lookahead: Sequence[Prompt] = (),
+    policy: SchedulingPolicy = SchedulingPolicy.QUEUE,
+    use_drafts: bool = True,
+    straggler_watch: bool = True,
+    limits: Limits,
+    model: ModelLimits,
+    tokenize: Tokenize | None = None,
+) -> StepSpec:
+    """Validate a Generate request; raise ``InvalidRequest`` naming the first bad field."""
+    _check_id(step_id, "step_id")
+    if not prompts:
+        raise InvalidRequest("prompts", "the batch is empty")
+    if len(prompts) > limits.max_prompts:
+        raise InvalidRequest("prompts", f"at most {limits.max_prompts} prompts per step, got {len(prompts)}")
+    if len(lookahead) > limits.max_lookahead:
+        raise InvalidRequest("lookahead", f"at most {limits.max_lookahead} prompts, got {len(lookahead)}")
+    check_sampling(sampling, limits, model)
+    specs = _prompts(prompts, sampling, model, tokenize)
+    ahead = tuple(prompt_tokens(p, f"lookahead[{i}]", model, tokenize) for i, p in enumerate(lookahead))
+    digest = hashlib.sha256(repr((policy_version, specs, sampling, ahead, policy.value, use_drafts)).encode())
+    return StepSpec(
+        step_id=step_id, policy_version=policy_version, prompts=specs, sampling=sampling,
+        lookahead=ahead, policy=policy, use_drafts=use_drafts, straggler_watch=straggler_watch,
+        fingerprint=digest.hexdigest()[:32],
+    )

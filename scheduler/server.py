@@ -1,0 +1,141 @@
+"""Assembles the scheduler process: gRPC (API, health, reflection), HTTP, ticks, shutdown.
+
+``Scheduler(settings)`` can be started and stopped inside any running event loop (tests,
+``bubblespec up``); ``run(settings)`` is the blocking entry point with SIGTERM handling:
+health NOT_SERVING, drain running steps, ``stop(grace)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from bubblespec.api.v1 import rollout_pb2 as pb
+from bubblespec.api.v1 import rollout_pb2_grpc as pbg
+from bubblespec.client.types import SchedulingPolicy
+from bubblespec.scheduler.auth import TokenAuthInterceptor
+from bubblespec.scheduler.core.state import SchedulerCore
+from bubblespec.scheduler.service import SchedulerService
+from bubblespec.scheduler.servicers import RolloutServicer, WorkerLinkServicer
+from bubblespec.scheduler.settings import SchedulerSettings
+
+__all__ = ["Scheduler", "load_tokenizer", "run"]
+
+logger = logging.getLogger(__name__)
+SERVICES = ("bubblespec.v1.Rollout", "bubblespec.v1.WorkerLink")
+
+
+def load_tokenizer(path: str):
+    """A ``tokenize(text) -> ids`` function from a model directory or tokenizer.json."""
+    from tokenizers import Tokenizer
+
+    p = Path(path)
+    tok = Tokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p))
+    return lambda text: tuple(tok.encode(text).ids)
+
+
+class Scheduler:
+    def __init__(self, settings: SchedulerSettings = SchedulerSettings()):
+        self.settings = settings
+        self.core = SchedulerCore(settings.core, clock=time.monotonic)
+        tokenize = load_tokenizer(settings.tokenizer) if settings.tokenizer else None
+        self.service = SchedulerService(self.core, tokenize)
+        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        self.grpc_port = 0
+        self.http_port = 0
+        self._server: grpc.aio.Server | None = None
+        self._http = None
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        s = self.settings
+        opts = [("grpc.max_send_message_length", s.max_message_bytes),
+                ("grpc.max_receive_message_length", s.max_message_bytes)]
+        server = grpc.aio.server(options=opts, interceptors=[TokenAuthInterceptor(s.trainer_token, s.worker_token)])
+        pbg.add_RolloutServicer_to_server(
+            RolloutServicer(self.service, s.limits, SchedulingPolicy(s.default_policy)), server)
+        pbg.add_WorkerLinkServicer_to_server(WorkerLinkServicer(self.service), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        names = (*[pb.DESCRIPTOR.services_by_name[n.split(".")[-1]].full_name for n in SERVICES],
+                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
+        address = f"{s.host}:{s.grpc_port}"
+        self.grpc_port = (server.add_secure_port(address, _credentials(s)) if s.tls_cert_file
+                          else server.add_insecure_port(address))
+        await server.start()
+        self._server = server
+        for name in ("", *SERVICES):
+            await _set_health(self.health, name, health_pb2.HealthCheckResponse.SERVING)
+        self._tasks.append(asyncio.create_task(self.service.tick_forever(s.tick_seconds)))
+        if s.http_port >= 0:
+            await self._start_http()
+        logger.info("scheduler serving gRPC on %s:%d, HTTP on %d", s.host, self.grpc_port, self.http_port)
+
+    async def _start_http(self) -> None:
+        import uvicorn
+
+        from bubblespec.scheduler.http import create_app
+
+        config = uvicorn.Config(create_app(self), host=self.settings.host, port=self.settings.http_port,
+                                log_level="warning", lifespan="off")
+        self._http = uvicorn.Server(config)
+        self._http.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self._tasks.append(asyncio.create_task(self._http.serve()))
+        while not self._http.started:
+            await asyncio.sleep(0.02)
+        self.http_port = self._http.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def ready(self) -> bool:
+        return self._server is not None and not self.service.draining and bool(self.core.workers)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Health NOT_SERVING, drain running steps, then stop the servers."""
+        grace = self.settings.drain_seconds if grace is None else grace
+        for name in ("", *SERVICES):
+            await _set_health(self.health, name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.service.drain(grace)
+        if self._server is not None:
+            await self._server.stop(min(grace, 5.0))
+        if self._http is not None:
+            self._http.should_exit = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+
+
+async def _set_health(servicer, name: str, status) -> None:
+    result = servicer.set(name, status)
+    if asyncio.iscoroutine(result):
+        await result
+
+
+def _credentials(s: SchedulerSettings) -> grpc.ServerCredentials:
+    key = Path(s.tls_key_file).read_bytes()
+    cert = Path(s.tls_cert_file).read_bytes()
+    ca = Path(s.tls_client_ca_file).read_bytes() if s.tls_client_ca_file else None
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+
+
+async def serve(settings: SchedulerSettings) -> None:
+    scheduler = Scheduler(settings)
+    await scheduler.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("shutting down: draining for up to %.0fs", settings.drain_seconds)
+    await scheduler.stop()
+
+
+def run(settings: SchedulerSettings) -> None:
+    asyncio.run(serve(settings))

@@ -1,0 +1,216 @@
+"""The asyncio shell around ``SchedulerCore``: it owns the worker links, the step
+subscriptions and the policy barriers, feeds events to the core and executes its actions.
+
+The gRPC servicers and the HTTP app call into this class; it never parses protobuf
+except to build outgoing worker messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from bubblespec.api.v1 import rollout_pb2 as pb
+from bubblespec.client import _convert as cv
+from bubblespec.client.types import Completion, SamplingParams
+from bubblespec.scheduler.core.state import SchedulerCore
+from bubblespec.scheduler.core.types import (
+    Abort, Action, Assign, Deliver, InvalidRequest, LoadPolicy, PolicyReady, StartDraft, StepFinished, StepSpec,
+    StopDraft, WorkerHello,
+)
+
+__all__ = ["SchedulerService", "WorkerLink"]
+
+logger = logging.getLogger(__name__)
+_END = object()
+
+
+@dataclass(eq=False)
+class WorkerLink:
+    """One connected worker: its outbound message queue."""
+
+    worker_id: str
+    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def send(self, msg: pb.SchedulerMessage | object) -> None:
+        self.outbox.put_nowait(msg)
+
+    def close(self) -> None:
+        self.outbox.put_nowait(_END)
+
+
+class SchedulerService:
+    def __init__(self, core: SchedulerCore, tokenize: Callable[[str], tuple[int, ...]] | None = None):
+        self.core = core
+        self.tokenize = tokenize
+        self.links: dict[str, WorkerLink] = {}
+        self.subscribers: dict[str, list[asyncio.Queue]] = {}
+        self.barriers: list[tuple[int, asyncio.Future]] = []
+        self.listeners: list[Callable[[Action], None]] = []  # metrics exporter, persistence
+        self.draining = False
+
+    # --------------------------------------------------------------- actions --
+
+    def execute(self, actions: list[Action]) -> None:
+        for action in actions:
+            for listener in self.listeners:
+                listener(action)
+            match action:
+                case Assign(worker_id, req):
+                    self._send(worker_id, pb.SchedulerMessage(assign=pb.Assignment(
+                        request_key=req.key, step_id=req.step_id, prompt_id=req.prompt_id,
+                        sample_index=req.sample_index, prompt_token_ids=list(req.prompt_token_ids),
+                        sampling=cv.sampling_to_pb(req.sampling), policy_version=req.policy_version,
+                        use_drafts=req.use_drafts, group_size=req.group_size)))
+                case Abort(worker_id, key):
+                    self._send(worker_id, pb.SchedulerMessage(abort=pb.Abort(request_key=key)))
+                case LoadPolicy(worker_id, version, path):
+                    self._send(worker_id, pb.SchedulerMessage(load_policy=pb.LoadPolicy(version=version, weights_path=path)))
+                case StartDraft(worker_id, job):
+                    self._send(worker_id, pb.SchedulerMessage(draft_job=pb.DraftJob(
+                        job_id=job.job_id, step_id=job.for_step, prompt_token_ids=list(job.prompt_token_ids),
+                        sampling=cv.sampling_to_pb(job.sampling), policy_version=job.policy_version)))
+                case StopDraft(worker_id, job_id):
+                    self._send(worker_id, pb.SchedulerMessage(stop_draft=pb.StopDraft(job_id=job_id)))
+                case Deliver(step_id, completion):
+                    self._publish(step_id, pb.GenerateResponse(completion=cv.completion_to_pb(completion)))
+                case StepFinished(step_id, summary):
+                    self._publish(step_id, pb.GenerateResponse(summary=cv.summary_to_pb(summary)))
+                    self._publish(step_id, _END)
+                    logger.info("step %s finished: %d completions in %.2fs", step_id, summary.completions,
+                                summary.makespan_seconds)
+                case PolicyReady(version, workers):
+                    for v, fut in list(self.barriers):
+                        if v <= version and not fut.done():
+                            fut.set_result(workers)
+                    self.barriers = [(v, f) for v, f in self.barriers if not f.done()]
+
+    def _send(self, worker_id: str, msg: pb.SchedulerMessage) -> None:
+        link = self.links.get(worker_id)
+        if link is not None:
+            link.send(msg)
+
+    def _publish(self, step_id: str, msg: object) -> None:
+        for queue in self.subscribers.get(step_id, []):
+            queue.put_nowait(msg)
+
+    # ---------------------------------------------------------------- trainer --
+
+    async def run_step(self, spec: StepSpec) -> AsyncIterator[pb.GenerateResponse]:
+        """Submit (or resume) a step and stream its completions, then its summary."""
+        if self.draining:
+            raise InvalidRequest("step_id", "the scheduler is shutting down", "UNAVAILABLE")
+        existing = self.core.check_step(spec)
+        queue: asyncio.Queue = asyncio.Queue()
+        if existing is not None:  # resume: replay what is done, then follow
+            for c in existing.completions.values():
+                queue.put_nowait(pb.GenerateResponse(completion=cv.completion_to_pb(c)))
+            if existing.summary is not None:
+                queue.put_nowait(pb.GenerateResponse(summary=cv.summary_to_pb(existing.summary)))
+                queue.put_nowait(_END)
+            elif existing.cancelled:
+                raise InvalidRequest("step_id", f"step {spec.step_id!r} was cancelled", "CANCELLED")
+        self.subscribers.setdefault(spec.step_id, []).append(queue)
+        try:
+            if existing is None:
+                self.execute(self.core.submit_step(spec))
+            while (msg := await queue.get()) is not _END:
+                yield msg
+            step = self.core.steps.get(spec.step_id)
+            if step is not None and step.cancelled:
+                raise InvalidRequest("step_id", f"step {spec.step_id!r} was cancelled", "CANCELLED")
+        finally:
+            subs = self.subscribers.get(spec.step_id, [])
+            if queue in subs:
+                subs.remove(queue)
+            if not subs:
+                self.subscribers.pop(spec.step_id, None)
+
+    async def update_policy(self, version: int, weights_path: str) -> int:
+        fut = asyncio.get_running_loop().create_future()
+        self.barriers.append((version, fut))
+        try:
+            self.execute(self.core.update_policy(version, weights_path))
+        except InvalidRequest:
+            self.barriers.remove((version, fut))
+            raise
+        return await fut
+
+    def announce(self, prompts: list[tuple[int, ...]], sampling: SamplingParams) -> int:
+        return self.core.announce(prompts, sampling)
+
+    def cancel(self, step_id: str) -> int:
+        step = self.core.steps.get(step_id)
+        pending = 0 if step is None else sum(1 for r in step.requests.values() if not r.done)
+        self.execute(self.core.cancel_step(step_id))
+        return pending
+
+    # ---------------------------------------------------------------- workers --
+
+    def attach_worker(self, hello: WorkerHello) -> WorkerLink:
+        old = self.links.pop(hello.worker_id, None)
+        if old is not None:  # a reconnect supersedes the old stream
+            old.close()
+            self.execute(self.core.remove_worker(hello.worker_id))
+        actions = self.core.add_worker(hello)
+        link = WorkerLink(hello.worker_id)
+        self.links[hello.worker_id] = link
+        self.execute(actions)
+        logger.info("worker %s joined (capacity %d, version %d)", hello.worker_id, hello.capacity, hello.policy_version)
+        return link
+
+    def detach_worker(self, link: WorkerLink) -> None:
+        if self.links.get(link.worker_id) is link:
+            del self.links[link.worker_id]
+            self.execute(self.core.remove_worker(link.worker_id))
+            logger.info("worker %s left", link.worker_id)
+
+    def on_worker_message(self, worker_id: str, msg: pb.WorkerMessage) -> None:
+        core = self.core
+        kind = msg.WhichOneof("kind")
+        if kind == "heartbeat":
+            core.heartbeat(worker_id, msg.heartbeat.tokens_per_second)
+            return
+        core.touch(worker_id)
+        if kind == "progress":
+            core.on_progress(worker_id, msg.progress.request_key, msg.progress.generated_tokens)
+        elif kind == "completion":
+            c = cv.completion_from_pb(msg.completion.completion)
+            self.execute(core.on_completion(worker_id, msg.completion.request_key, _stamp(c, worker_id)))
+        elif kind == "aborted":
+            self.execute(core.on_aborted(worker_id, msg.aborted.request_key))
+        elif kind == "policy_loaded":
+            m = msg.policy_loaded
+            if not m.ok:
+                logger.error("worker %s failed to load version %d: %s", worker_id, m.version, m.error)
+            self.execute(core.on_policy_loaded(worker_id, m.version, m.ok))
+        elif kind == "draft_result":
+            self.execute(core.on_draft_result(worker_id, msg.draft_result.job_id, msg.draft_result.tokens))
+        else:
+            raise InvalidRequest("kind", f"unexpected worker message {kind!r}")
+
+    async def tick_forever(self, period: float) -> None:
+        while True:
+            await asyncio.sleep(period)
+            try:
+                self.execute(self.core.tick())
+            except Exception:  # keep ticking whatever one tick did
+                logger.exception("tick failed")
+
+    async def drain(self, timeout: float) -> None:
+        """Refuse new steps and wait (up to ``timeout``) for running ones to finish."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while any(s.active for s in self.core.steps.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        for link in list(self.links.values()):
+            link.close()
+
+
+def _stamp(c: Completion, worker_id: str) -> Completion:
+    from dataclasses import replace
+
+    return replace(c, worker_id=worker_id)

@@ -1,0 +1,133 @@
+"""gRPC servicers: parse, call the service, map the result. Nothing else lives here."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import grpc
+
+from bubblespec.api.v1 import rollout_pb2 as pb
+from bubblespec.api.v1 import rollout_pb2_grpc as pbg
+from bubblespec.client import _convert as cv
+from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits, WorkerHello
+from bubblespec.scheduler.core.validate import Limits, build_step, check_sampling, prompt_tokens
+from bubblespec.scheduler.service import SchedulerService
+
+__all__ = ["RolloutServicer", "WorkerLinkServicer"]
+
+logger = logging.getLogger(__name__)
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: InvalidRequest) -> None:
+    await context.abort(grpc.StatusCode[exc.code], str(exc))
+
+
+class RolloutServicer(pbg.RolloutServicer):
+    def __init__(self, service: SchedulerService, limits: Limits, default_policy):
+        self.service = service
+        self.limits = limits
+        self.default_policy = default_policy
+
+    def _model(self) -> ModelLimits:
+        if self.service.core.limits is None:
+            raise InvalidRequest("workers", "no worker has connected yet", "UNAVAILABLE")
+        return self.service.core.limits
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        try:
+            spec = build_step(
+                step_id=request.step_id, policy_version=request.policy_version,
+                prompts=[cv.prompt_from_pb(p) for p in request.prompts],
+                sampling=cv.sampling_from_pb(request.sampling),
+                lookahead=[cv.prompt_from_pb(p) for p in request.lookahead],
+                policy=_policy(request.policy) or self.default_policy,
+                use_drafts=not request.disable_drafts, straggler_watch=not request.disable_straggler_watch,
+                limits=self.limits, model=self._model(), tokenize=self.service.tokenize,
+            )
+            async for msg in self.service.run_step(spec):
+                yield msg
+        except InvalidRequest as exc:
+            await _abort(context, exc)
+
+    async def Announce(self, request: pb.AnnounceRequest, context):
+        try:
+            model = self._model()
+            sampling = cv.sampling_from_pb(request.sampling)
+            check_sampling(sampling, self.limits, model)
+            if len(request.prompts) > self.limits.max_lookahead:
+                raise InvalidRequest("prompts", f"at most {self.limits.max_lookahead} prompts")
+            ids = [prompt_tokens(cv.prompt_from_pb(p), f"prompts[{i}]", model, self.service.tokenize)
+                   for i, p in enumerate(request.prompts)]
+            return pb.AnnounceResponse(accepted=self.service.announce(ids, sampling))
+        except InvalidRequest as exc:
+            await _abort(context, exc)
+
+    async def UpdatePolicy(self, request: pb.UpdatePolicyRequest, context):
+        try:
+            loaded = await self.service.update_policy(request.version, request.weights_path)
+            return pb.UpdatePolicyResponse(version=request.version, workers_loaded=loaded)
+        except InvalidRequest as exc:
+            await _abort(context, exc)
+
+    async def Status(self, request: pb.StatusRequest, context):
+        snap = self.service.core.status()
+        workers = [pb.WorkerStatus(worker_id=w["worker_id"], state=w["state"], policy_version=w["policy_version"],
+                                   running=w["running"], capacity=w["capacity"],
+                                   tokens_per_second=w["tokens_per_second"]) for w in snap["workers"]]
+        steps = [cv.summary_to_pb(s.summary) for s in self.service.core.steps.values() if s.summary is not None]
+        return pb.StatusResponse(policy_version=snap["policy_version"], workers=workers, steps=steps,
+                                 requests_waiting=snap["requests_waiting"], requests_running=snap["requests_running"],
+                                 json=json.dumps(snap))
+
+    async def Cancel(self, request: pb.CancelRequest, context):
+        try:
+            return pb.CancelResponse(cancelled_requests=self.service.cancel(request.step_id))
+        except InvalidRequest as exc:
+            await _abort(context, exc)
+
+
+class WorkerLinkServicer(pbg.WorkerLinkServicer):
+    def __init__(self, service: SchedulerService):
+        self.service = service
+
+    async def Connect(self, request_iterator, context):
+        first = await anext(aiter(request_iterator), None)
+        try:
+            if first is None or first.WhichOneof("kind") != "hello":
+                raise InvalidRequest("hello", "the first worker message must be hello")
+            h = first.hello
+            if not h.worker_id:
+                raise InvalidRequest("hello.worker_id", "is empty")
+            link = self.service.attach_worker(WorkerHello(
+                h.worker_id, h.capacity, h.policy_version, ModelLimits(h.max_model_len, h.vocab_size), h.speculation))
+        except InvalidRequest as exc:
+            await _abort(context, exc)
+            return
+        reader = asyncio.create_task(self._read(link.worker_id, request_iterator, link))
+        try:
+            while (msg := await link.outbox.get()) is not None and isinstance(msg, pb.SchedulerMessage):
+                yield msg
+        finally:
+            reader.cancel()
+            self.service.detach_worker(link)
+
+    async def _read(self, worker_id: str, request_iterator, link) -> None:
+        try:
+            async for msg in request_iterator:
+                try:
+                    self.service.on_worker_message(worker_id, msg)
+                except InvalidRequest as exc:
+                    logger.warning("worker %s sent a bad message: %s", worker_id, exc)
+        except (grpc.RpcError, asyncio.CancelledError):
+            pass
+        finally:
+            link.close()
+
+
+def _policy(value: int):
+    try:
+        return cv.policy_from_pb(value)
+    except ValueError as exc:
+        raise InvalidRequest("policy", str(exc)) from None

@@ -1,0 +1,264 @@
+"""The worker agent: dials the scheduler, runs assignments and draft jobs on an engine.
+
+One bidirectional stream per worker. The agent reconnects with backoff when the scheduler
+goes away; whatever it was running is dropped on reconnect (the scheduler re-queues it).
+Completions are written back as history drafts and length history; draft jobs write
+``future`` drafts, partial ones included when preempted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from bubblespec.api.v1 import rollout_pb2 as pb
+from bubblespec.api.v1 import rollout_pb2_grpc as pbg
+from bubblespec.client import _convert as cv
+from bubblespec.client.types import Completion
+from bubblespec.store import DraftEntry, DraftSource, DraftStore, prompt_key
+from bubblespec.worker.engine import Engine, EngineRequest, EngineSettings
+
+__all__ = ["WorkerAgent", "WorkerSettings"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    scheduler: str = "localhost:50051"
+    """Scheduler address, host:port."""
+    worker_id: str = ""
+    """Stable id ('' = hostname-pid)."""
+    token: str = field(default="", repr=False)
+    """Worker bearer token."""
+    tls: bool = False
+    """Dial the scheduler over TLS."""
+    tls_ca_file: str = ""
+    """PEM roots for the scheduler's certificate."""
+    tls_cert_file: str = ""
+    """PEM client certificate (mutual TLS)."""
+    tls_key_file: str = ""
+    """PEM client key (mutual TLS)."""
+    heartbeat_seconds: float = 1.0
+    """Heartbeat period."""
+    progress_seconds: float = 0.5
+    """Shortest gap between two progress reports of one request."""
+    reconnect_initial_seconds: float = 0.2
+    """First reconnect delay; doubles up to reconnect_max_seconds."""
+    reconnect_max_seconds: float = 5.0
+    """Longest reconnect delay."""
+    max_drafts_per_request: int = 4
+    """Stored drafts handed to the proposer per request (newest first)."""
+    history_drafts: bool = True
+    """Store finished responses as history drafts for later steps."""
+    policy_version: int = 0
+    """Version of the weights the engine starts with."""
+    engine: EngineSettings = EngineSettings()
+    """The engine this worker drives."""
+
+    def resolved_id(self) -> str:
+        return self.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+
+
+class WorkerAgent:
+    def __init__(self, settings: WorkerSettings, engine: Engine, store: DraftStore | None = None):
+        self.settings = settings
+        self.worker_id = settings.resolved_id()
+        self.engine = engine
+        self.store = store
+        self.version = settings.policy_version
+        self.tasks: dict[str, asyncio.Task] = {}  # request key or draft job id -> task
+        self.outbox: asyncio.Queue[pb.WorkerMessage | None] = asyncio.Queue()
+        self.tokens_window: list[tuple[float, int]] = []
+        self.draft_seconds = 0.0
+        self.connected = asyncio.Event()
+        self._stopping = False
+
+    # ------------------------------------------------------------ connection --
+
+    def _channel(self) -> grpc.aio.Channel:
+        s = self.settings
+        if not s.tls:
+            return grpc.aio.insecure_channel(s.scheduler)
+        read = lambda p: open(p, "rb").read() if p else None  # noqa: E731
+        creds = grpc.ssl_channel_credentials(read(s.tls_ca_file), read(s.tls_key_file), read(s.tls_cert_file))
+        return grpc.aio.secure_channel(s.scheduler, creds)
+
+    async def run(self) -> None:
+        """Serve until ``stop()``; reconnect with backoff whenever the stream breaks."""
+        delay = self.settings.reconnect_initial_seconds
+        while not self._stopping:
+            started = time.monotonic()
+            try:
+                await self._session()
+            except (grpc.RpcError, ConnectionError) as exc:
+                code = exc.code() if isinstance(exc, grpc.RpcError) else None
+                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                    raise
+                logger.warning("worker %s: scheduler stream broke (%s); reconnecting", self.worker_id, code)
+            finally:
+                self.connected.clear()
+                await self._drop_all()
+            if self._stopping:
+                break
+            if time.monotonic() - started > 10:
+                delay = self.settings.reconnect_initial_seconds
+            await asyncio.sleep(delay)
+            delay = min(self.settings.reconnect_max_seconds, delay * 2)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self.outbox.put_nowait(None)
+        await self._drop_all()
+
+    async def _session(self) -> None:
+        self.outbox = asyncio.Queue()
+        self.outbox.put_nowait(pb.WorkerMessage(hello=self._hello()))
+        metadata = (("authorization", f"Bearer {self.settings.token}"),) if self.settings.token else ()
+        async with self._channel() as channel:
+            call = pbg.WorkerLinkStub(channel).Connect(self._outgoing(), metadata=metadata)
+            beat = asyncio.create_task(self._heartbeats())
+            try:
+                async for msg in call:
+                    self.connected.set()
+                    await self._handle(msg)
+            finally:
+                beat.cancel()
+                self.outbox.put_nowait(None)
+
+    def _hello(self) -> pb.Hello:
+        info = self.engine.info
+        return pb.Hello(worker_id=self.worker_id, capacity=self.settings.engine.max_num_seqs,
+                        policy_version=self.version, max_model_len=info.max_model_len,
+                        vocab_size=info.vocab_size, model=info.model, speculation=info.speculation)
+
+    async def _outgoing(self):
+        while (msg := await self.outbox.get()) is not None:
+            yield msg
+
+    def _send(self, **kind) -> None:
+        self.outbox.put_nowait(pb.WorkerMessage(**kind))
+
+    async def _heartbeats(self) -> None:
+        while True:
+            self.connected.set()
+            now = time.monotonic()
+            self.tokens_window = [(t, n) for t, n in self.tokens_window if now - t < 5.0]
+            tps = sum(n for _, n in self.tokens_window) / 5.0
+            self._send(heartbeat=pb.Heartbeat(running=len(self.tasks), tokens_per_second=tps))
+            await asyncio.sleep(self.settings.heartbeat_seconds)
+
+    # -------------------------------------------------------------- commands --
+
+    async def _handle(self, msg: pb.SchedulerMessage) -> None:
+        kind = msg.WhichOneof("kind")
+        if kind == "assign":
+            a = msg.assign
+            self.tasks[a.request_key] = asyncio.create_task(self._run_assignment(a))
+        elif kind == "abort":
+            await self._cancel(msg.abort.request_key)
+        elif kind == "load_policy":
+            await self._load_policy(msg.load_policy)
+        elif kind == "draft_job":
+            job = msg.draft_job
+            self.tasks[f"draft:{job.job_id}"] = asyncio.create_task(self._run_draft(job))
+        elif kind == "stop_draft":
+            await self._cancel(f"draft:{msg.stop_draft.job_id}")
+
+    async def _cancel(self, key: str) -> None:
+        task = self.tasks.pop(key, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _drop_all(self) -> None:
+        for key in list(self.tasks):
+            await self._cancel(key)
+
+    async def _load_policy(self, cmd: pb.LoadPolicy) -> None:
+        started = time.monotonic()
+        try:
+            await self.engine.load_weights(cmd.weights_path)
+        except Exception as exc:  # report, keep serving the old version
+            logger.exception("loading %s failed", cmd.weights_path)
+            self._send(policy_loaded=pb.PolicyLoaded(version=cmd.version, ok=False, error=str(exc)[:500]))
+            return
+        self.version = cmd.version
+        self._send(policy_loaded=pb.PolicyLoaded(version=cmd.version, ok=True, seconds=time.monotonic() - started))
+
+    # ------------------------------------------------------------ generation --
+
+    async def _drafts_for(self, prompt: tuple[int, ...]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        if self.store is None:
+            return ()
+        entries = (await self.store.get_drafts([prompt_key(prompt)])).get(prompt_key(prompt), [])
+        entries = entries[: self.settings.max_drafts_per_request]
+        return tuple((e.source.value, e.tokens) for e in entries if e.tokens)
+
+    async def _run_assignment(self, a: pb.Assignment) -> None:
+        key = a.request_key
+        try:
+            prompt = tuple(a.prompt_token_ids)
+            drafts = await self._drafts_for(prompt) if a.use_drafts else ()
+            request = EngineRequest(key, prompt, cv.sampling_from_pb(a.sampling), drafts, a.use_drafts)
+            last_report = time.monotonic()
+            final = None
+            seen = 0
+            async for out in self.engine.generate(request):
+                self.tokens_window.append((time.monotonic(), len(out.token_ids) - seen))
+                seen = len(out.token_ids)
+                if out.finish_reason is not None:
+                    final = out
+                elif time.monotonic() - last_report >= self.settings.progress_seconds:
+                    last_report = time.monotonic()
+                    self._send(progress=pb.Progress(request_key=key, generated_tokens=len(out.token_ids)))
+            if final is None:
+                raise RuntimeError("engine ended without a final output")
+            c = Completion(a.step_id, a.prompt_id, a.sample_index, final.token_ids, final.logprobs, final.text,
+                           final.finish_reason, a.policy_version, self.worker_id, len(prompt), final.provenance)
+            self._send(completion=pb.WorkerCompletion(request_key=key, completion=cv.completion_to_pb(c)))
+            self.tasks.pop(key, None)
+            await self._remember(prompt, c, a.step_id)
+        except asyncio.CancelledError:
+            await self.engine.abort(key)
+            raise
+        except Exception as exc:
+            logger.exception("request %s failed", key)
+            self.tasks.pop(key, None)
+            self._send(aborted=pb.Aborted(request_key=key, reason=str(exc)[:500]))
+
+    async def _remember(self, prompt: tuple[int, ...], c: Completion, step_id: str) -> None:
+        if self.store is None or not self.settings.history_drafts:
+            return
+        pk = prompt_key(prompt)
+        await self.store.put_draft(pk, DraftEntry(c.token_ids, c.policy_version, step_id, DraftSource.HISTORY, time.time()))
+        await self.store.record_length(pk, len(c.token_ids))
+
+    async def _run_draft(self, job: pb.DraftJob) -> None:
+        key = f"draft:{job.job_id}"
+        prompt = tuple(job.prompt_token_ids)
+        tokens: Sequence[int] = ()
+        finished = False
+        started = time.monotonic()
+        try:
+            drafts = await self._drafts_for(prompt)
+            request = EngineRequest(key, prompt, cv.sampling_from_pb(job.sampling), drafts, True)
+            async for out in self.engine.generate(request):
+                tokens = out.token_ids  # live list until the final output
+                finished = out.finish_reason is not None
+        except asyncio.CancelledError:
+            await self.engine.abort(key)
+        finally:
+            self.draft_seconds += time.monotonic() - started
+            self.tasks.pop(key, None)
+            if tokens and self.store is not None:
+                entry = DraftEntry(tuple(tokens), job.policy_version, job.step_id, DraftSource.FUTURE, time.time())
+                await asyncio.shield(self.store.put_draft(prompt_key(prompt), entry))
+            self._send(draft_result=pb.DraftResult(job_id=job.job_id, tokens=len(tokens), finished=finished))

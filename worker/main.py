@@ -1,0 +1,43 @@
+"""``bubblespec worker``: one engine, one agent, optional Redis draft store and metrics port."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from bubblespec.store import StoreSettings, open_store
+from bubblespec.worker.agent import WorkerAgent, WorkerSettings
+from bubblespec.worker.engine import VllmEngine
+
+__all__ = ["run"]
+
+logger = logging.getLogger(__name__)
+
+
+async def serve(settings: WorkerSettings, store_settings: StoreSettings, metrics_port: int) -> None:
+    engine = VllmEngine(settings.engine)
+    await engine.start()
+    store = open_store(store_settings, resilient=True) if store_settings.url else None
+    agent = WorkerAgent(settings, engine, store)
+    http = None
+    if metrics_port >= 0:
+        from bubblespec.worker.http import start_http
+
+        http = await start_http(agent, metrics_port)
+    loop = asyncio.get_running_loop()
+    task = asyncio.create_task(agent.run())
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(agent.stop()))
+    try:
+        await task
+    finally:
+        if http is not None:
+            http.should_exit = True
+        if store is not None:
+            await store.close()
+        await engine.shutdown()
+
+
+def run(settings: WorkerSettings, store_settings: StoreSettings, metrics_port: int) -> None:
+    asyncio.run(serve(settings, store_settings, metrics_port))
