@@ -81,13 +81,12 @@ class Cluster:
         await self.scheduler.start()
         self.store = open_store(self.store_settings, resilient=True)
         target = f"127.0.0.1:{self.scheduler.grpc_port}"
-        for i in range(self.num_workers):
-            engine = VllmEngine(self.engine_settings)
-            await engine.start()
+        self.engines = [VllmEngine(self.engine_settings) for _ in range(self.num_workers)]
+        await asyncio.gather(*(engine.start() for engine in self.engines))
+        for i, engine in enumerate(self.engines):
             agent = WorkerAgent(WorkerSettings(scheduler=target, worker_id=f"worker-{i}",
                                                token=self.scheduler_settings.worker_token,
                                                engine=self.engine_settings), engine, self.store)
-            self.engines.append(engine)
             self.agents.append(agent)
             self._tasks.append(asyncio.create_task(agent.run()))
         while len(self.scheduler.core.workers) < self.num_workers:

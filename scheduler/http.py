@@ -21,16 +21,16 @@ def create_app(scheduler: Scheduler) -> FastAPI:
         return {"ok": True}
 
     @app.get("/readyz")
-    def readyz() -> Response:
+    async def readyz() -> Response:
         ok = scheduler.ready
         return JSONResponse({"ready": ok, "workers": len(scheduler.core.workers)}, status_code=200 if ok else 503)
 
     @app.get("/status")
-    def status() -> dict:
+    async def status() -> dict:
         return scheduler.core.status()
 
     @app.get("/metrics")
-    def metrics() -> Response:
+    async def metrics() -> Response:
         from bubblespec.scheduler.metrics import render
 
         body, content_type = render(scheduler)

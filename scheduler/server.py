@@ -22,6 +22,7 @@ from bubblespec.api.v1 import rollout_pb2_grpc as pbg
 from bubblespec.client.types import SchedulingPolicy
 from bubblespec.scheduler.auth import TokenAuthInterceptor
 from bubblespec.scheduler.core.state import SchedulerCore
+from bubblespec.scheduler.metrics import SchedulerMetrics
 from bubblespec.scheduler.service import SchedulerService
 from bubblespec.scheduler.servicers import RolloutServicer, WorkerLinkServicer
 from bubblespec.scheduler.settings import SchedulerSettings
@@ -47,6 +48,7 @@ class Scheduler:
         self.core = SchedulerCore(settings.core, clock=time.monotonic)
         tokenize = load_tokenizer(settings.tokenizer) if settings.tokenizer else None
         self.service = SchedulerService(self.core, tokenize)
+        self.metrics = SchedulerMetrics(self.service)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self.grpc_port = 0
         self.http_port = 0
@@ -58,7 +60,8 @@ class Scheduler:
         s = self.settings
         opts = [("grpc.max_send_message_length", s.max_message_bytes),
                 ("grpc.max_receive_message_length", s.max_message_bytes)]
-        server = grpc.aio.server(options=opts, interceptors=[TokenAuthInterceptor(s.trainer_token, s.worker_token)])
+        server = grpc.aio.server(options=opts, interceptors=[
+            self.metrics.grpc_interceptor(), TokenAuthInterceptor(s.trainer_token, s.worker_token)])
         pbg.add_RolloutServicer_to_server(
             RolloutServicer(self.service, s.limits, SchedulingPolicy(s.default_policy)), server)
         pbg.add_WorkerLinkServicer_to_server(WorkerLinkServicer(self.service), server)

@@ -18,7 +18,7 @@ from bubblespec.client import _convert as cv
 from bubblespec.client.types import Completion, SamplingParams
 from bubblespec.scheduler.core.state import SchedulerCore
 from bubblespec.scheduler.core.types import (
-    Abort, Action, Assign, Deliver, InvalidRequest, LoadPolicy, PolicyReady, StartDraft, StepFinished, StepSpec,
+    Abort, Action, Assign, Deliver, Disconnect, InvalidRequest, LoadPolicy, PolicyReady, StartDraft, StepFinished, StepSpec,
     StopDraft, WorkerHello,
 )
 
@@ -50,6 +50,7 @@ class SchedulerService:
         self.subscribers: dict[str, list[asyncio.Queue]] = {}
         self.barriers: list[tuple[int, asyncio.Future]] = []
         self.listeners: list[Callable[[Action], None]] = []  # metrics exporter, persistence
+        self.load_listeners: list[Callable[[str, int, bool, float], None]] = []  # (worker, version, ok, seconds)
         self.draining = False
 
     # --------------------------------------------------------------- actions --
@@ -75,6 +76,11 @@ class SchedulerService:
                         sampling=cv.sampling_to_pb(job.sampling), policy_version=job.policy_version)))
                 case StopDraft(worker_id, job_id):
                     self._send(worker_id, pb.SchedulerMessage(stop_draft=pb.StopDraft(job_id=job_id)))
+                case Disconnect(worker_id, reason):
+                    link = self.links.pop(worker_id, None)
+                    if link is not None:
+                        logger.warning("worker %s disconnected: %s", worker_id, reason)
+                        link.close()
                 case Deliver(step_id, completion):
                     self._publish(step_id, pb.GenerateResponse(completion=cv.completion_to_pb(completion)))
                 case StepFinished(step_id, summary):
@@ -186,6 +192,8 @@ class SchedulerService:
             m = msg.policy_loaded
             if not m.ok:
                 logger.error("worker %s failed to load version %d: %s", worker_id, m.version, m.error)
+            for listener in self.load_listeners:
+                listener(worker_id, m.version, m.ok, m.seconds)
             self.execute(core.on_policy_loaded(worker_id, m.version, m.ok))
         elif kind == "draft_result":
             self.execute(core.on_draft_result(worker_id, msg.draft_result.job_id, msg.draft_result.tokens))

@@ -131,7 +131,8 @@ class VllmEngine:
                                               "cpu_sampler_fix": s.cpu_sampler_fix}},
             enable_prefix_caching=True,
         )
-        self._llm = AsyncLLM.from_engine_args(args)
+        # Engine start-up blocks for tens of seconds: keep the event loop (heartbeats) running.
+        self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         self._tokenizer = self._llm.tokenizer
         vocab = self._llm.model_config.get_vocab_size()
         if spec is not None:

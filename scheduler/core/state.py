@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from bubblespec.client.types import Completion, Provenance, SamplingParams, SchedulingPolicy, StepSummary
 from bubblespec.scheduler.core.drafting import DraftPlanner
 from bubblespec.scheduler.core.types import (
-    Abort, Action, Assign, Deliver, DraftJobSpec, InvalidRequest, LoadPolicy, ModelLimits,
+    Abort, Action, Assign, Deliver, Disconnect, DraftJobSpec, InvalidRequest, LoadPolicy, ModelLimits,
     PolicyReady, RequestSpec, StartDraft, StepFinished, StepSpec, StopDraft, Timeline, WorkerHello,
 )
 
@@ -60,6 +60,7 @@ class WorkerState:
     running: set[str] = field(default_factory=set)
     private: deque[str] = field(default_factory=deque)
     drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # job id -> prompt
+    stopping: dict[str, tuple[int, ...]] = field(default_factory=dict)  # stopped, result pending
     tokens_per_second: float = 0.0
     state: str = "idle"
     state_since: float = 0.0
@@ -271,10 +272,10 @@ class SchedulerCore:
 
     def on_draft_result(self, worker_id: str, job_id: str, tokens: int) -> list[Action]:
         w = self.workers.get(worker_id)
-        if w is None or job_id not in w.drafts:
+        if w is None or (job_id not in w.drafts and job_id not in w.stopping):
             return []
-        prompt = w.drafts.pop(job_id)
-        self.planner.done(prompt, produced=tokens > 0)
+        prompt = w.drafts.pop(job_id, None) or w.stopping.pop(job_id)
+        self.planner.done(prompt, produced=tokens > 0)  # partial drafts of stopped jobs count
         self._set_state(w, self.clock())
         return self._fill(w)
 
@@ -323,6 +324,7 @@ class SchedulerCore:
         now = self.clock()
         actions: list[Action] = []
         for w in [w for w in self.workers.values() if now - w.last_seen > self.settings.worker_timeout_seconds]:
+            actions.append(Disconnect(w.hello.worker_id, f"silent for {now - w.last_seen:.1f}s"))
             actions += self.remove_worker(w.hello.worker_id)
         for step in [s for s in self.steps.values() if s.active and s.spec.straggler_watch]:
             actions += self._rebalance(step, now)
@@ -438,9 +440,9 @@ class SchedulerCore:
         return actions
 
     def _stop_drafts(self, w: WorkerState) -> list[Action]:
+        """Preempt ``w``'s draft jobs; each still reports its (partial) result."""
         actions: list[Action] = [StopDraft(w.hello.worker_id, job) for job in w.drafts]
-        for prompt in w.drafts.values():
-            self.planner.done(prompt, produced=False)
+        w.stopping.update(w.drafts)
         w.drafts.clear()
         return actions
 

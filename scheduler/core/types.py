@@ -16,6 +16,7 @@ __all__ = [
     "Action",
     "Assign",
     "Deliver",
+    "Disconnect",
     "DraftJobSpec",
     "InvalidRequest",
     "LoadPolicy",
@@ -143,6 +144,14 @@ class StopDraft:
 
 
 @dataclass(frozen=True)
+class Disconnect:
+    """Close a worker's stream (declared dead); it may reconnect and say hello again."""
+
+    worker_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class Deliver:
     step_id: str
     completion: Completion
@@ -160,7 +169,7 @@ class PolicyReady:
     workers: int
 
 
-Action = Assign | Abort | LoadPolicy | StartDraft | StopDraft | Deliver | StepFinished | PolicyReady
+Action = Assign | Abort | LoadPolicy | StartDraft | StopDraft | Deliver | StepFinished | PolicyReady | Disconnect
 
 
 @dataclass

@@ -1,0 +1,86 @@
+"""Cost model of one simulated engine step (a decode step of a continuous batch).
+
+``step_seconds(batch, drafts, prefill)`` = ``base + per_seq * batch + per_draft_token * drafts
++ prefill_per_token * prefill``: a fixed cost (reading the weights, launch overheads), a cost per
+running sequence (reading its KV cache, sampling), a cost per draft token verified in the same
+forward pass, and a cost per prompt token prefilled in that pass. Decode at the batch sizes of
+RL rollout is memory-bound, so draft tokens cost little until the step turns compute-bound; the
+draft-length rule in :mod:`bubblespec.scheduler.sim.workload` keeps drafts under that point.
+
+Every constant says where it comes from. Measured constants replace placeholders; nothing here
+is a claim about a real engine beyond what its ``source`` says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["CPU_TINY", "GPU_H100_7B", "PROFILES", "CostProfile"]
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """Linear cost of one engine forward pass over a batch."""
+
+    name: str
+    """Short name used by the CLI (``--profile``)."""
+    base_seconds: float
+    """Fixed cost of one forward pass (weights read once per pass, kernel launches, scheduling)."""
+    per_seq_seconds: float
+    """Extra cost per running sequence in the batch (its KV cache read, sampling)."""
+    per_draft_token_seconds: float
+    """Extra cost per draft token verified in the pass (one more query position per token)."""
+    prefill_per_token_seconds: float
+    """Cost per prompt token prefilled (charged once, when a request or draft job joins)."""
+    source: str = ""
+    """Where the constants come from."""
+
+    def __post_init__(self) -> None:
+        for name in ("base_seconds", "per_seq_seconds", "per_draft_token_seconds", "prefill_per_token_seconds"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.base_seconds + self.per_seq_seconds <= 0:
+            raise ValueError("a forward pass must take some time: base_seconds + per_seq_seconds > 0")
+
+    def step_seconds(self, batch_size: int, draft_tokens_total: int = 0, prefill_tokens: int = 0) -> float:
+        """Seconds of one forward pass over ``batch_size`` sequences verifying ``draft_tokens_total``
+        draft tokens in all and prefilling ``prefill_tokens`` prompt tokens."""
+        return (self.base_seconds + self.per_seq_seconds * batch_size
+                + self.per_draft_token_seconds * draft_tokens_total
+                + self.prefill_per_token_seconds * prefill_tokens)
+
+    def prefill_seconds(self, prompt_tokens: int) -> float:
+        """Seconds added to a pass that prefills ``prompt_tokens`` tokens."""
+        return self.prefill_per_token_seconds * prompt_tokens
+
+
+CPU_TINY = CostProfile(
+    name="cpu-tiny",
+    # PLACEHOLDERS, to be replaced by measured values from the benchmark (`bubblespec bench`
+    # on this machine's vLLM CPU engine with the project's tiny 2-layer model). The only figure
+    # they encode is the rough observation "about 2 ms per decode step at small batch".
+    base_seconds=2.0e-3,  # placeholder: ~2 ms per decode step at batch 1-8
+    per_seq_seconds=5.0e-5,  # placeholder: guess, +0.4 ms at batch 8, +13 ms at batch 256
+    per_draft_token_seconds=2.0e-5,  # placeholder: guess, a verified token costs ~ half a sequence
+    prefill_per_token_seconds=5.0e-6,  # placeholder: guess, ~200k prompt tokens/s for a 2-layer model
+    source="placeholders (about 2 ms per decode step at small batch); replace with measured values",
+)
+
+GPU_H100_7B = CostProfile(
+    name="gpu-h100-7b",
+    # Published vLLM benchmark figures, approximate: a 7B model in bf16 on one H100 decodes at
+    # about 8-10 ms per step at small batch (reading 14 GB of weights at ~3 TB/s is ~5 ms, plus
+    # overheads) and about 10-15 ms per step at batch 64-256 (KV-cache reads grow with the batch).
+    base_seconds=8.0e-3,  # ~8 ms per pass at batch 1
+    per_seq_seconds=2.5e-5,  # batch 64 -> ~9.6 ms, batch 256 -> ~14.4 ms
+    # Memory-bound decode: verifying a few hundred draft tokens adds ~1-2 ms to a pass
+    # (the weights are read once either way); 300 draft tokens -> +1.5 ms.
+    per_draft_token_seconds=5.0e-6,
+    # Prefill is compute-bound: ~14 GFLOP per token for 7B parameters at a few hundred TFLOP/s
+    # effective gives ~40k prompt tokens/s.
+    prefill_per_token_seconds=2.5e-5,
+    source="published vLLM benchmark figures for a 7B model on one H100, approximate",
+)
+
+PROFILES: dict[str, CostProfile] = {p.name: p for p in (CPU_TINY, GPU_H100_7B)}
+"""Profiles by CLI name."""

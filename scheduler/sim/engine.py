@@ -1,0 +1,247 @@
+"""``SimulatedEngine``: one simulated worker's continuous batch (not vLLM; a model of it).
+
+A simulated engine runs either the requests assigned to it or, when it has none, its draft
+jobs (low-priority work: a request arriving preempts every draft job at once, and the partial
+draft is kept, as the real worker agent does). Every forward pass over the batch costs
+``CostProfile.step_seconds(batch, draft tokens, prefill)`` and advances every member by
+``1 + E[accepted drafts]`` tokens: drafts only while the member has one (a ``future`` or
+``history`` draft of its prompt that has not run out), otherwise 1 token.
+
+Passes are counted continuously (a fluid model of the pass clock), which makes the simulation
+cost proportional to the number of batch changes rather than to the number of passes: a member
+needs a known number of passes to reach its next boundary (the end of its draft, or its
+last token), every member of a batch advances one pass per pass, so a heap ordered by the pass
+count at which each boundary falls stays valid when the batch grows or shrinks; only the
+seconds per pass change. Acceptance enters by its expectation; the randomness of a run comes
+from the lengths and the per-request acceptance of the workload.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+
+from bubblespec.scheduler.sim.costs import CostProfile
+from bubblespec.scheduler.sim.workload import AcceptanceModel, expected_accepted
+
+__all__ = ["Member", "SimulatedEngine"]
+
+_EPS = 1e-9
+
+
+@dataclass
+class Member:
+    """A running request (``job=False``) or draft job (``job=True``) of a simulated engine."""
+
+    key: str
+    length: int
+    """Tokens it generates before it finishes."""
+    job: bool = False
+    draft_len: float = 0.0
+    """Draft available for positions [0, draft_len)."""
+    source: str = ""
+    alpha: float = 0.0
+    prompt_tokens: int = 0
+    joined: float = 0.0
+    """Engine pass count when it joined."""
+    p0: float = 0.0
+    """Pass count at the start of its current phase."""
+    pos0: float = 0.0
+    """Tokens done at ``p0``."""
+    k: int = 0
+    """Draft tokens per pass in the current phase."""
+    rate: float = 1.0
+    """Tokens per pass in the current phase (1 + expected accepted drafts)."""
+    target: float = 0.0
+    """Pass count at which its next boundary falls."""
+    spec_passes: float = 0.0
+    """Passes spent with drafts (closed phases)."""
+    drafted: float = 0.0
+    accepted: float = 0.0
+    started: bool = False
+    """Its first phase has begun (set by ``commit``)."""
+    gen: int = 0
+    """Heap generation: bumps whenever ``target`` changes (stale entries are skipped)."""
+    payload: object = None
+    """What the simulator attached (the request spec or the draft job)."""
+
+    def position(self, passes: float) -> float:
+        return min(float(self.length), self.pos0 + (passes - self.p0) * self.rate)
+
+    def forward_passes(self, passes: float) -> int:
+        return max(1, round(passes - self.joined))
+
+
+class SimulatedEngine:
+    """The batch of one simulated worker. Call ``commit(now)`` after a round of changes."""
+
+    def __init__(self, worker_id: str, profile: CostProfile, acceptance: AcceptanceModel):
+        self.worker_id = worker_id
+        self.profile = profile
+        self.acceptance = acceptance
+        self.members: dict[str, Member] = {}
+        self.jobs = False  # True while the batch is made of draft jobs
+        self.passes = 0.0
+        self.at = 0.0
+        self.debt = 0.0  # seconds of prefill still to pay before passes advance
+        self.pass_seconds = 0.0
+        self.draft_tokens = 0  # sum of k over the batch
+        self.rate_sum = 0.0  # sum of tokens per pass over the batch
+        self.cap = -1
+        self.version = 0  # bumps on every commit: older scheduled events are stale
+        self._heap: list[tuple[float, int, str, int]] = []
+        self._seq = itertools.count()
+        self._pending: list[Member] = []
+
+    # ------------------------------------------------------------ changes --
+
+    def advance(self, now: float) -> None:
+        dt = now - self.at
+        if dt > 0 and self.members:
+            paid = min(dt, self.debt)
+            self.debt -= paid
+            self.passes += (dt - paid) / self.pass_seconds
+        self.at = max(self.at, now)
+
+    def add(self, now: float, member: Member) -> list[Member]:
+        """Add a request or a draft job; a request preempts all draft jobs (returned)."""
+        self.advance(now)
+        preempted: list[Member] = []
+        if not member.job and self.jobs:
+            preempted = [self.remove(now, key) for key in list(self.members)]  # type: ignore[misc]
+        if member.job and self.members and not self.jobs:
+            raise RuntimeError(f"{self.worker_id}: a draft job cannot join a batch of requests")
+        self.jobs = member.job
+        member.joined = member.p0 = self.passes
+        member.pos0 = 0.0
+        self.members[member.key] = member
+        self.debt += self.profile.prefill_seconds(member.prompt_tokens)
+        self._pending.append(member)
+        return preempted
+
+    def remove(self, now: float, key: str) -> Member | None:
+        """Take a member out (abort, stop); its position is frozen at ``now``."""
+        self.advance(now)
+        m = self.members.pop(key, None)
+        if m is None:
+            return None
+        if not m.started:
+            self._pending.remove(m)
+        else:
+            self._close_phase(m)
+            self.draft_tokens -= m.k
+            self.rate_sum -= m.rate
+        m.pos0, m.p0, m.k, m.rate = m.position(self.passes), self.passes, 0, 1.0
+        m.gen += 1
+        if not self.members:
+            self.jobs, self.debt, self.rate_sum, self.draft_tokens = False, 0.0, 0.0, 0
+        return m
+
+    def due(self, now: float) -> list[Member]:
+        """Members whose last token falls at ``now`` (removed); drafts that ran out switch phase."""
+        self.advance(now)
+        done: list[Member] = []
+        first = True
+        while self._heap:
+            target, _, key, gen = self._heap[0]
+            m = self.members.get(key)
+            if m is None or m.gen != gen or not m.started:
+                heapq.heappop(self._heap)
+                continue
+            if not first and target > self.passes + _EPS * (1 + self.passes):
+                break
+            first = False  # the scheduled event is due by construction (rounding aside)
+            heapq.heappop(self._heap)
+            self.passes = max(self.passes, target)
+            self._close_phase(m)
+            self.draft_tokens -= m.k
+            self.rate_sum -= m.rate
+            m.pos0, m.p0 = m.position(target), target
+            if m.pos0 >= m.length - _EPS:
+                m.pos0 = float(m.length)
+                del self.members[key]
+                done.append(m)
+            else:
+                self._start_phase(m, drafts=False)
+        if not self.members:
+            self.jobs, self.debt, self.rate_sum, self.draft_tokens = False, 0.0, 0.0, 0
+        return done
+
+    def commit(self, now: float) -> float | None:
+        """Settle the round of changes at ``now``; return when the next member is due (or None)."""
+        self.advance(now)
+        cap = self.acceptance.batch_cap(len(self.members))
+        if cap != self.cap:
+            self.cap = cap
+            self._rerate(cap)
+        for m in self._pending:
+            m.started = True
+            self._start_phase(m, drafts=True)
+        self._pending.clear()
+        self.version += 1
+        if not self.members:
+            return None
+        self.pass_seconds = self.profile.step_seconds(len(self.members), self.draft_tokens)
+        while self._heap:
+            target, _, key, gen = self._heap[0]
+            m = self.members.get(key)
+            if m is not None and m.gen == gen:
+                return self.at + self.debt + max(0.0, target - self.passes) * self.pass_seconds
+            heapq.heappop(self._heap)
+        raise RuntimeError(f"{self.worker_id}: members without a scheduled boundary")
+
+    # ------------------------------------------------------------- views --
+
+    def tokens(self, key: str, now: float) -> int:
+        self.advance(now)
+        m = self.members.get(key)
+        return 0 if m is None else int(m.position(self.passes))
+
+    def tokens_per_second(self) -> float:
+        if not self.members or self.pass_seconds <= 0:
+            return 0.0
+        return self.rate_sum / self.pass_seconds
+
+    @property
+    def idle(self) -> bool:
+        return not self.members
+
+    # ----------------------------------------------------------- phases --
+
+    def _start_phase(self, m: Member, drafts: bool) -> None:
+        """Begin a phase at (m.p0, m.pos0): with drafts while one covers the position."""
+        k = 0
+        if drafts and not m.job and m.pos0 < m.draft_len:
+            k = self.acceptance.draft_tokens(m.alpha, self.acceptance.batch_cap(len(self.members)))
+        m.k = k
+        m.rate = 1.0 + expected_accepted(m.alpha, k) if k else 1.0
+        boundary = min(m.draft_len, m.length) if k else m.length
+        m.target = m.p0 + max(0.0, boundary - m.pos0) / m.rate
+        m.gen += 1
+        self.draft_tokens += k
+        self.rate_sum += m.rate
+        heapq.heappush(self._heap, (m.target, next(self._seq), m.key, m.gen))
+
+    def _rerate(self, cap: int) -> None:
+        """The batch size crossed a draft-cap threshold: re-plan members whose k changes."""
+        for m in self.members.values():
+            if m.job or not m.started:
+                continue
+            pos = m.position(self.passes)
+            want = self.acceptance.draft_tokens(m.alpha, cap) if pos < m.draft_len else 0
+            if want != m.k:
+                self._close_phase(m)
+                self.draft_tokens -= m.k
+                self.rate_sum -= m.rate
+                m.pos0, m.p0 = pos, self.passes
+                self._start_phase(m, drafts=True)
+
+    def _close_phase(self, m: Member) -> None:
+        if not m.k:
+            return
+        passes = max(0.0, self.passes - m.p0) if self.passes < m.target else m.target - m.p0
+        tokens = passes * m.rate
+        m.spec_passes += passes
+        m.drafted += passes * m.k
+        m.accepted += max(0.0, tokens - passes)

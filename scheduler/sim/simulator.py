@@ -1,0 +1,432 @@
+"""Discrete-event cluster simulator driving the real ``SchedulerCore`` on a simulated clock.
+
+The core is the class the service runs, fed the same events the service feeds it: workers say
+hello (``add_worker``), a trainer submits steps (``submit_step`` with the next step's prompts as
+lookahead), workers report completions (``on_completion``), draft results
+(``on_draft_result``), progress (``on_progress``) and heartbeats, and a periodic ``tick`` runs
+the straggler and liveness checks. The actions the core returns are carried out on simulated
+engines (:class:`~bubblespec.scheduler.sim.engine.SimulatedEngine`): ``Assign`` starts a request,
+``Abort`` drops one, ``StartDraft`` / ``StopDraft`` run and preempt draft jobs, ``Deliver`` and
+``StepFinished`` are recorded. The core's clock is the simulator's ``now``.
+
+Events are kept in one heap: an engine's next boundary (a member's last token or the end of
+its draft), a weight load finishing, and the tick. Per-step figures come from the
+``StepSummary`` the core emits (makespan, busy / idle / drafting worker-seconds, provenance).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from bubblespec.client.types import (
+    Completion, FinishReason, Prompt, Provenance, SamplingParams, SchedulingPolicy, SourceStats, StepSummary,
+)
+from bubblespec.scheduler.core.state import CoreSettings, SchedulerCore
+from bubblespec.scheduler.core.types import (
+    Abort, Action, Assign, Deliver, LoadPolicy, ModelLimits, PolicyReady, StartDraft, StepFinished, StopDraft,
+    WorkerHello,
+)
+from bubblespec.scheduler.core.validate import Limits, build_step
+from bubblespec.scheduler.sim.costs import CostProfile
+from bubblespec.scheduler.sim.engine import Member, SimulatedEngine
+from bubblespec.scheduler.sim.workload import AcceptanceModel, SimPrompt, Workload
+
+__all__ = ["SimResult", "SimSettings", "SimStalled", "StepStats", "simulate"]
+
+_ENGINE, _LOADED = 0, 1
+
+
+class SimStalled(RuntimeError):
+    """The simulated cluster stopped making progress (a scheduling bug, or a workload that
+    cannot finish)."""
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    """How the simulated cluster and its workers behave."""
+
+    capacity: int = 256
+    """Requests each worker runs at once (vLLM ``max_num_seqs``), sent in its hello."""
+    samples: int = 8
+    """Samples per prompt (GRPO group size); requests per step = prompts x samples."""
+    tick_seconds: float = 1.0
+    """Simulated period of ``core.tick()`` (the service ticks every 0.25 s; coarser is cheaper)."""
+    heartbeat_seconds: float = 1.0
+    """Simulated period of every worker's heartbeat (the real agent's default)."""
+    progress_seconds: float = 5.0
+    """Simulated period of each running request's progress report (must stay well under the
+    core's ``stall_seconds``, or long requests are taken for stalled)."""
+    history_drafts: bool = True
+    """A finished sample becomes a ``history`` draft for samples of its prompt that start later
+    (the worker agent stores every completion as one)."""
+    policy_updates: bool = False
+    """Between steps, call ``update_policy`` and report every worker's load (the RL weight
+    push). Off by default: the core's barrier is O(workers^2) today (see docs/SIMULATOR.md)."""
+    load_seconds: float = 0.0
+    """Simulated time one weight load takes, with ``policy_updates``."""
+    straggler_watch: bool | None = None
+    """Straggler watch of the steps; None: on for queue policies, off for ``static`` (the
+    baseline is today's data-parallel split, which moves nothing)."""
+    core: CoreSettings = CoreSettings()
+    """Core settings (``drafting`` is set from ``simulate``'s argument)."""
+    max_sim_seconds: float = 1e7
+    """Give up (``SimStalled``) when simulated time passes this."""
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one simulated step did (the core's ``StepSummary`` plus simulator counts)."""
+
+    summary: StepSummary
+    requests: int
+    delivered: int
+    """Distinct requests delivered."""
+    duplicates: int
+    """Deliveries of a request already delivered (must be 0)."""
+    with_future_draft: int
+    """Requests that found a ``future`` draft of their prompt when they started."""
+    with_history_draft: int
+    draft_jobs: int
+    """Draft jobs started during the step."""
+    wall_seconds: float
+    """Real seconds the simulator spent on the step."""
+
+    @property
+    def makespan_seconds(self) -> float:
+        return self.summary.makespan_seconds
+
+    @property
+    def forward_passes_per_token(self) -> float:
+        return self.summary.forward_passes_per_token
+
+    @property
+    def bubble_share(self) -> float:
+        return self.summary.bubble_share
+
+    @property
+    def drafting_share(self) -> float:
+        s = self.summary
+        total = s.busy_worker_seconds + s.idle_worker_seconds + s.drafting_worker_seconds
+        return s.drafting_worker_seconds / total if total > 0 else 0.0
+
+    @property
+    def accepted_per_pass(self) -> float:
+        p = self.summary.provenance
+        return p.accepted() / max(1, p.forward_passes)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    policy: SchedulingPolicy
+    drafting: bool
+    workers: int
+    requests_per_step: int
+    profile: str
+    seed: int
+    steps: tuple[StepStats, ...]
+    setup_wall_seconds: float
+    """Real seconds spent adding the workers to the core."""
+    wall_seconds: float
+    """Real seconds of the whole run."""
+    events: int
+
+    @property
+    def reported(self) -> tuple[StepStats, ...]:
+        """The steps a comparison should use: all but the first (which has no drafts to use:
+        nothing ran before it), or the only one."""
+        return self.steps[1:] or self.steps
+
+    def mean(self, attr: str) -> float:
+        vals = [getattr(s, attr) for s in self.reported]
+        return sum(vals) / len(vals)
+
+    @property
+    def name(self) -> str:
+        return self.policy.value + ("+drafts" if self.drafting else "")
+
+
+def simulate(
+    policy: SchedulingPolicy | str,
+    workers: int,
+    requests_per_step: int,
+    steps: int,
+    profile: CostProfile,
+    drafting: bool,
+    seed: int = 0,
+    *,
+    workload: Workload = Workload(),
+    acceptance: AcceptanceModel = AcceptanceModel(),
+    settings: SimSettings = SimSettings(),
+    on_step: Callable[[StepStats], None] | None = None,
+) -> SimResult:
+    """Simulate ``steps`` rollout steps of ``requests_per_step`` requests on ``workers`` workers."""
+    policy = SchedulingPolicy(policy)
+    if workers < 1 or steps < 1:
+        raise ValueError("workers and steps must be >= 1")
+    if requests_per_step < 1 or requests_per_step % settings.samples:
+        raise ValueError(f"requests_per_step ({requests_per_step}) must be a positive multiple of samples ({settings.samples})")
+    started = time.perf_counter()
+    sim = _Simulation(policy, workers, requests_per_step // settings.samples, profile, drafting, seed,
+                      workload, acceptance, settings)
+    setup = time.perf_counter() - started
+    stats = []
+    for s in range(steps):
+        if s and settings.policy_updates:
+            sim.update_policy()
+        stats.append(sim.run_step(s))
+        if on_step is not None:
+            on_step(stats[-1])
+    return SimResult(policy, drafting, workers, requests_per_step, profile.name, seed, tuple(stats), setup,
+                     time.perf_counter() - started, sim.events_done)
+
+
+@dataclass
+class _StepLog:
+    step_id: str
+    requests: int
+    delivered: set[str] = field(default_factory=set)
+    duplicates: int = 0
+    with_future: int = 0
+    with_history: int = 0
+    draft_jobs: int = 0
+    summary: StepSummary | None = None
+
+
+class _Simulation:
+    def __init__(self, policy: SchedulingPolicy, workers: int, prompts: int, profile: CostProfile, drafting: bool,
+                 seed: int, workload: Workload, acceptance: AcceptanceModel, settings: SimSettings):
+        self.policy, self.prompts, self.drafting, self.seed = policy, prompts, drafting, seed
+        self.workload, self.acceptance, self.settings = workload, acceptance, settings
+        self.now = 0.0
+        self.core = SchedulerCore(replace(settings.core, drafting=drafting), clock=lambda: self.now)
+        self.limits = ModelLimits(max_model_len=workload.lengths.max_tokens + 1024, vocab_size=32000)
+        self.engines: dict[str, SimulatedEngine] = {}
+        self.heap: list[tuple[float, int, int, str, int]] = []  # (time, seq, kind, worker, version)
+        self.seq = itertools.count()
+        self.dirty: dict[str, None] = {}
+        self.future: dict[tuple[int, ...], int] = {}  # prompt -> longest future draft
+        self.history: dict[tuple[int, ...], int] = {}  # prompt -> longest finished sample
+        self.draft_jobs: dict[tuple[int, ...], int] = {}  # prompt -> draft jobs started
+        self.wheel: dict[int, list[tuple[str, Member]]] = {}  # tick number -> progress reports due
+        self.tick_no = 0
+        self.next_heartbeat = 0.0
+        self.events_done = 0
+        self.batches: dict[int, list[SimPrompt]] = {}
+        self.current: dict[str, SimPrompt] = {}
+        self.upcoming: dict[tuple[int, ...], SimPrompt] = {}
+        self.log: _StepLog | None = None
+        for i in range(workers):
+            wid = f"w{i:05d}"
+            self.engines[wid] = SimulatedEngine(wid, profile, acceptance)
+            hello = WorkerHello(wid, settings.capacity, self.core.version, self.limits, speculation=drafting)
+            self._execute(self.core.add_worker(hello))
+        self._commit()
+
+    # -------------------------------------------------------------- steps --
+
+    def _batch(self, s: int) -> list[SimPrompt]:
+        if s not in self.batches:
+            self.batches = {k: v for k, v in self.batches.items() if k >= s - 1}
+            self.batches[s] = self.workload.step(self.seed, s, self.prompts, self.settings.samples)
+        return self.batches[s]
+
+    def run_step(self, s: int) -> StepStats:
+        started = time.perf_counter()
+        prompts, ahead = self._batch(s), self._batch(s + 1)
+        self.current = {p.prompt_id: p for p in prompts}
+        self.upcoming = {p.token_ids: p for p in ahead}
+        watch = self.settings.straggler_watch
+        spec = build_step(
+            step_id=f"s{s}", policy_version=self.core.version,
+            prompts=[Prompt(p.prompt_id, token_ids=p.token_ids) for p in prompts],
+            sampling=SamplingParams(max_tokens=self.workload.lengths.max_tokens, n=self.settings.samples, seed=self.seed),
+            lookahead=[Prompt(f"a{i}", token_ids=p.token_ids) for i, p in enumerate(ahead)],
+            policy=self.policy, use_drafts=self.drafting,
+            straggler_watch=self.policy is not SchedulingPolicy.STATIC if watch is None else watch,
+            limits=Limits(max_prompts=max(65536, len(prompts)), max_lookahead=max(65536, len(ahead))),
+            model=self.limits,
+        )
+        log = self.log = _StepLog(spec.step_id, spec.num_requests)
+        self._execute(self.core.submit_step(spec))
+        self._commit()
+        self._run_until(lambda: log.summary is not None)
+        assert log.summary is not None
+        return StepStats(log.summary, log.requests, len(log.delivered), log.duplicates, log.with_future,
+                         log.with_history, log.draft_jobs, time.perf_counter() - started)
+
+    def update_policy(self) -> None:
+        version = self.core.version + 1
+        self._execute(self.core.update_policy(version, f"sim://weights/v{version}"))
+        self._run_until(lambda: self.core.version == version and not any(
+            e[2] == _LOADED for e in self.heap))
+
+    # --------------------------------------------------------- event loop --
+
+    def _run_until(self, done: Callable[[], bool]) -> None:
+        tick = self.settings.tick_seconds
+        idle_since = None
+        while not done():
+            while self.heap and self.heap[0][2] == _ENGINE and self.heap[0][4] != self.engines[self.heap[0][3]].version:
+                heapq.heappop(self.heap)  # stale: the engine's batch changed since
+            if self.heap:
+                idle_since = None
+            elif idle_since is None:
+                idle_since = self.now
+            t_next = self.heap[0][0] if self.heap else math.inf
+            t_tick = (self.tick_no + 1) * tick
+            if t_tick <= t_next:
+                self.now = t_tick
+                self.tick_no += 1
+                self._tick()
+                self._check_stall(idle_since)
+            else:
+                _, _, kind, wid, version = heapq.heappop(self.heap)
+                self.now = t_next
+                self.events_done += 1
+                if kind == _ENGINE:
+                    self._on_engine(wid)
+                else:
+                    self._execute(self.core.on_policy_loaded(wid, version, True))
+            self._commit()
+
+    def _check_stall(self, idle_since: float | None) -> None:
+        limit = self.settings.core.worker_timeout_seconds + self.settings.core.stall_seconds
+        if self.now > self.settings.max_sim_seconds or (idle_since is not None and self.now - idle_since > limit):
+            log = self.log
+            left = log.requests - len(log.delivered) if log else 0
+            raise SimStalled(f"t={self.now:.1f}s: nothing is running for {self.now - (idle_since or 0):.0f}s "
+                             f"and step {log.step_id if log else '-'} has {left} requests undelivered")
+
+    def _tick(self) -> None:
+        core, now = self.core, self.now
+        if now >= self.next_heartbeat:
+            self.next_heartbeat = now + self.settings.heartbeat_seconds
+            for wid, eng in self.engines.items():
+                core.heartbeat(wid, 0.0 if eng.jobs else eng.tokens_per_second())
+        for wid, m in self.wheel.pop(self.tick_no, ()):
+            eng = self.engines[wid]
+            if eng.members.get(m.key) is m:
+                core.on_progress(wid, m.key, eng.tokens(m.key, now))
+                self._schedule_progress(wid, m)
+        self._execute(core.tick())
+
+    def _schedule_progress(self, wid: str, m: Member) -> None:
+        due = self.tick_no + max(1, math.ceil(self.settings.progress_seconds / self.settings.tick_seconds))
+        self.wheel.setdefault(due, []).append((wid, m))
+
+    def _commit(self) -> None:
+        for wid in self.dirty:
+            eng = self.engines[wid]
+            t = eng.commit(self.now)
+            if t is not None:
+                heapq.heappush(self.heap, (t, next(self.seq), _ENGINE, wid, eng.version))
+        self.dirty.clear()
+
+    def _on_engine(self, wid: str) -> None:
+        eng = self.engines[wid]
+        self.dirty[wid] = None
+        for m in eng.due(self.now):
+            if m.job:
+                prompt = m.payload.prompt_token_ids  # type: ignore[attr-defined]
+                self.future[prompt] = max(self.future.get(prompt, 0), m.length)
+                self._execute(self.core.on_draft_result(wid, m.key, m.length))
+            else:
+                req = m.payload
+                if self.settings.history_drafts:
+                    self.history[req.prompt_token_ids] = max(self.history.get(req.prompt_token_ids, 0), m.length)  # type: ignore[attr-defined]
+                self._execute(self.core.on_completion(wid, m.key, self._completion(wid, m, eng.passes)))
+
+    def _completion(self, wid: str, m: Member, passes: float) -> Completion:
+        req = m.payload
+        sources = ()
+        if m.spec_passes > 0:
+            sources = (SourceStats(m.source, round(m.drafted), round(m.accepted)),)
+        finish = FinishReason.LENGTH if m.length >= req.sampling.max_tokens else FinishReason.STOP  # type: ignore[attr-defined]
+        # Simulated tokens: ``range`` is a lazy sequence of the right length (the core only
+        # measures it), so 65,536 completions do not hold millions of token ids.
+        return Completion(req.step_id, req.prompt_id, req.sample_index, range(m.length), (), "",  # type: ignore[arg-type,attr-defined]
+                          finish, req.policy_version, wid, self.workload.prompt_tokens,  # type: ignore[attr-defined]
+                          Provenance(m.forward_passes(passes), sources))
+
+    # ------------------------------------------------------------ actions --
+
+    def _execute(self, actions: list[Action]) -> None:
+        for a in actions:
+            kind = type(a)
+            if kind is Assign:
+                self._assign(a)  # type: ignore[arg-type]
+            elif kind is Deliver:
+                self._deliver(a)  # type: ignore[arg-type]
+            elif kind is StartDraft:
+                self._start_draft(a)  # type: ignore[arg-type]
+            elif kind is StopDraft:
+                self._keep_partial(self.engines[a.worker_id].remove(self.now, a.job_id))  # type: ignore[union-attr]
+                self.dirty[a.worker_id] = None
+            elif kind is Abort:
+                self.engines[a.worker_id].remove(self.now, a.key)  # type: ignore[union-attr]
+                self.dirty[a.worker_id] = None
+            elif kind is StepFinished:
+                if self.log is not None and a.step_id == self.log.step_id:  # type: ignore[union-attr]
+                    self.log.summary = a.summary  # type: ignore[union-attr]
+            elif kind is LoadPolicy:
+                heapq.heappush(self.heap, (self.now + self.settings.load_seconds, next(self.seq), _LOADED,
+                                           a.worker_id, a.version))  # type: ignore[union-attr]
+            elif kind is not PolicyReady:
+                raise TypeError(f"unexpected action {a!r}")
+
+    def _assign(self, a: Assign) -> None:
+        req, log = a.request, self.log
+        p = self.current[req.prompt_id]
+        draft_len, source, alpha = 0, "", 0.0
+        if self.drafting and req.use_drafts:
+            fut = self.future.get(p.token_ids, 0)
+            hist = self.history.get(p.token_ids, 0) if self.settings.history_drafts else 0
+            if fut:
+                draft_len, source = fut, "future"
+                log.with_future += 1  # type: ignore[union-attr]
+            elif hist:
+                draft_len, source = hist, "history"
+                log.with_history += 1  # type: ignore[union-attr]
+            if source:
+                alpha = self.acceptance.alpha(source, p.accept_z[req.sample_index])
+        m = Member(req.key, p.lengths[req.sample_index], draft_len=draft_len, source=source, alpha=alpha,
+                   prompt_tokens=self.workload.prompt_tokens, payload=req)
+        for job in self.engines[a.worker_id].add(self.now, m):
+            self._keep_partial(job)
+        self.dirty[a.worker_id] = None
+        self._schedule_progress(a.worker_id, m)
+
+    def _start_draft(self, a: StartDraft) -> None:
+        ids = a.job.prompt_token_ids
+        p = self.upcoming.get(ids)
+        j = self.draft_jobs.get(ids, 0)
+        self.draft_jobs[ids] = j + 1
+        lm = self.workload.lengths
+        length = lm.length(p.scale, p.draft_z[j % len(p.draft_z)]) if p else lm.length(lm.median_tokens, 0.0)
+        m = Member(a.job.job_id, length, job=True, prompt_tokens=self.workload.prompt_tokens, payload=a.job)
+        self.engines[a.worker_id].add(self.now, m)
+        self.dirty[a.worker_id] = None
+        if self.log is not None:
+            self.log.draft_jobs += 1
+
+    def _keep_partial(self, m: Member | None) -> None:
+        """A preempted draft job keeps what it generated (the worker stores partial drafts)."""
+        if m is not None and m.job and int(m.pos0) > 0:
+            prompt = m.payload.prompt_token_ids  # type: ignore[attr-defined]
+            self.future[prompt] = max(self.future.get(prompt, 0), int(m.pos0))
+
+    def _deliver(self, a: Deliver) -> None:
+        log = self.log
+        c = a.completion
+        key = f"{c.step_id}/{c.prompt_id}/{c.sample_index}"
+        if log is None or c.step_id != log.step_id:
+            return
+        if key in log.delivered:
+            log.duplicates += 1
+        else:
+            log.delivered.add(key)

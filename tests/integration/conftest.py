@@ -1,0 +1,66 @@
+"""Session fixtures with real parts: redis-server, vLLM CPU engines, gRPC on loopback.
+
+Engines start once per session (20-90 s each on 2 cores) and are shared by every test.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from bubblespec.client import AsyncRolloutClient
+from bubblespec.cli.commands import Cluster
+from bubblespec.scheduler.settings import SchedulerSettings
+from bubblespec.store import StoreSettings
+from bubblespec.worker.engine import EngineSettings, VllmEngine
+from bubblespec.worker.tiny_model import build_tiny_model
+from tests.support.redis_server import RedisServer
+
+MAX_LEN = 512
+
+
+def engine_settings(model: str, **over) -> EngineSettings:
+    base = dict(model=model, max_model_len=MAX_LEN, max_num_seqs=32, num_speculative_tokens=4,
+                kv_cache_memory_bytes=128 * 2**20)
+    base.update(over)
+    return EngineSettings(**base)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny"))
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+async def cluster(tiny_model, redis_server):
+    """Scheduler + 2 speculative vLLM workers + the Redis draft store, in this process."""
+    settings = SchedulerSettings(host="127.0.0.1", grpc_port=0, http_port=0, tokenizer=tiny_model)
+    c = Cluster(settings, engine_settings(tiny_model), workers=2,
+                store_settings=StoreSettings(url=redis_server.url, op_timeout_seconds=0.5, retry_after_seconds=1.0))
+    await c.start()
+    yield c
+    await c.stop()
+
+
+@pytest.fixture(scope="session")
+async def client(cluster):
+    async with AsyncRolloutClient(cluster.target) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+async def reference_engine(tiny_model):
+    """A vLLM engine without any speculation: the ground truth for exactness."""
+    engine = VllmEngine(engine_settings(tiny_model, num_speculative_tokens=0))
+    await engine.start()
+    yield engine
+    await engine.shutdown()

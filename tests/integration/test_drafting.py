@@ -1,0 +1,170 @@
+"""Exact speculative drafting: future / history / sibling drafts through vLLM verification."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from pathlib import Path
+
+import pytest
+import redis
+
+from bubblespec.client import Prompt, SamplingParams, SchedulingPolicy
+from bubblespec.store import prompt_key
+from bubblespec.worker.engine import EngineRequest
+from bubblespec.worker.tiny_model import perturb_weights
+from tests.factories import token_prompts
+
+pytestmark = pytest.mark.vllm
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
+
+
+async def run_engine(engine, prompts, sampling, drafts=None, use_drafts=True, tag="r"):
+    """Final outputs of ``engine`` for ``prompts`` (drafts[i] = candidates of prompt i)."""
+    async def one(i, p):
+        final = None
+        req = EngineRequest(f"{tag}-{random.getrandbits(40):x}-{i}", tuple(p), sampling,
+                            tuple(drafts[i]) if drafts else (), use_drafts)
+        async for out in engine.generate(req):
+            final = out
+        return final
+
+    return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+
+async def test_greedy_is_token_identical_with_any_drafts(cluster, reference_engine, tiny_model, tmp_path):
+    prompts = token_prompts(16, seed=21)
+    sp = SamplingParams(temperature=0.0, max_tokens=64)
+    expected = [o.token_ids for o in await run_engine(reference_engine, prompts, sp)]
+    # drafts from another policy: the same prompts under perturbed weights
+    other = perturb_weights(tiny_model, tmp_path / "other", scale=0.03, seed=5)
+    await reference_engine.load_weights(str(other))
+    try:
+        other_out = [o.token_ids for o in await run_engine(reference_engine, prompts, sp)]
+    finally:
+        await reference_engine.load_weights(tiny_model)
+    assert other_out != expected, "the other policy should disagree somewhere"
+    rng = random.Random(0)
+    arms = {
+        "off": None,
+        "perfect": [[("future", e)] for e in expected],
+        "garbage": [[("history", (e[0],) + tuple(rng.randrange(4, 100) for _ in range(64)))] for e in expected],
+        "other-policy": [[("future", o)] for o in other_out],
+    }
+    engine = cluster.engines[0]
+    for name, drafts in arms.items():
+        outs = await run_engine(engine, prompts, sp, drafts, use_drafts=drafts is not None, tag=name)
+        assert [o.token_ids for o in outs] == expected, f"greedy output changed with {name} drafts"
+        drafted = sum(o.provenance.drafted() for o in outs)
+        accepted = sum(o.provenance.accepted() for o in outs)
+        if name == "off":
+            assert drafted == 0
+        else:
+            assert drafted > 0, f"{name}: no draft was ever proposed, the arm tests nothing"
+        if name == "perfect":
+            assert accepted == drafted and sum(o.provenance.forward_passes for o in outs) < sum(map(len, expected)) / 2
+        if name == "garbage":
+            assert accepted < drafted / 2
+
+
+def _long_tail(rng: random.Random, count: int) -> list[int]:
+    """Most responses short, one 10x longer: the long tail of RL rollouts."""
+    lengths = [rng.randrange(12, 32) for _ in range(count)]
+    lengths[rng.randrange(count)] = 320
+    return lengths
+
+
+async def test_three_steps_with_weight_updates_use_future_drafts_exactly(cluster, client, tiny_model, tmp_path):
+    rng = random.Random(3)
+    steps = [token_prompts(12, seed=300 + s) for s in range(3)]
+    lengths = [_long_tail(rng, 12) for _ in steps]
+    sp = SamplingParams(temperature=0.0, max_tokens=320, ignore_eos=True)
+    base = cluster.scheduler.core.version
+    weights = tiny_model
+    report = []
+    try:
+        for s, ids in enumerate(steps):
+            version = base + 1 + s
+            weights = str(perturb_weights(weights, tmp_path / f"v{version}", scale=0.0005, seed=version))
+            assert await client.update_policy(version, weights) == 2
+            prompts = [Prompt(f"p{i}", token_ids=p, max_tokens=m) for i, (p, m) in enumerate(zip(ids, lengths[s]))]
+            ahead = steps[s + 1] if s + 1 < len(steps) else []
+            on = await client.generate(f"three-{s}", prompts, sp, policy_version=version, lookahead=ahead)
+            off = await client.generate(f"three-{s}-off", prompts, sp, policy_version=version, drafts=False)
+            assert [c.token_ids for c in on.completions] == [c.token_ids for c in off.completions]
+            summ = on.summary
+            report.append({
+                "step": s + 1, "makespan_s": summ.makespan_seconds, "makespan_off_s": off.summary.makespan_seconds,
+                "forward_passes_per_token": summ.forward_passes_per_token,
+                "accepted_per_forward_pass": summ.provenance.accepted() / max(1, summ.provenance.forward_passes),
+                "by_source": {x.source: [x.accepted_tokens, x.drafted_tokens] for x in summ.provenance.sources},
+                "drafting_share": summ.drafting_worker_seconds / max(1e-9, summ.busy_worker_seconds
+                                                                      + summ.idle_worker_seconds
+                                                                      + summ.drafting_worker_seconds),
+                "bubble_share": summ.bubble_share,
+            })
+    finally:
+        await client.update_policy(cluster.scheduler.core.version + 1, tiny_model)
+    ARTIFACTS.mkdir(exist_ok=True)
+    (ARTIFACTS / "three_step_run.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+    first = report[0]["forward_passes_per_token"]
+    for row in report[1:]:
+        assert row["by_source"].get("future", [0, 0])[0] > 0, f"step {row['step']}: no accepted future tokens"
+        assert row["forward_passes_per_token"] < first
+    assert report[0]["drafting_share"] > 0, "step 1 had bubbles but nobody drafted"
+
+
+async def test_redis_down_mid_step_keeps_results_exact_and_drafting_resumes(cluster, client, redis_server):
+    v = cluster.scheduler.core.version
+    sp = SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True)
+    ids = token_prompts(8, seed=77)
+    reference = await client.generate("redis-ref", ids, sp, policy_version=v, drafts=False)
+    ahead = token_prompts(6, seed=78)
+    task = asyncio.create_task(client.generate("redis-down", ids, sp, policy_version=v, lookahead=ahead))
+    await asyncio.sleep(0.3)
+    redis_server.kill()
+    try:
+        down = await task
+        assert [c.token_ids for c in down.completions] == [c.token_ids for c in reference.completions]
+        later = await client.generate("redis-still-down", ahead, sp, policy_version=v)
+        assert later.summary.provenance.accepted("future") == 0, "drafts cannot come from a dead store"
+    finally:
+        redis_server.start()
+    await asyncio.sleep(1.5)  # the workers' circuit breaker retries after 1 s
+    again_ids = token_prompts(8, seed=79)
+    again_ahead = token_prompts(6, seed=80)
+    await client.generate("redis-back", again_ids, sp, policy_version=v, lookahead=again_ahead)
+    r = redis.Redis.from_url(redis_server.url)
+    keys = [k for k in r.scan_iter("bubblespec:*:d")]
+    r.close()
+    assert keys, "no draft written to Redis after it came back"
+    resumed = await client.generate("redis-resumed", again_ahead, sp, policy_version=v)
+    assert resumed.summary.provenance.accepted("future") > 0
+
+
+async def test_draft_job_yields_at_once_to_current_work(cluster, client):
+    core = cluster.scheduler.core
+    v = core.version
+    long_sp = SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)
+    a_prompts = [Prompt("long", token_ids=token_prompts(1, seed=90)[0]),
+                 Prompt("short", token_ids=token_prompts(1, seed=91)[0], max_tokens=4)]
+    ahead = token_prompts(8, seed=92)
+    a = asyncio.create_task(client.generate("yield-a", a_prompts, long_sp, policy_version=v, lookahead=ahead,
+                                            policy=SchedulingPolicy.QUEUE))
+    for _ in range(3000):
+        drafting = [w for w in core.workers.values() if w.drafts and not w.running]
+        if drafting:
+            break
+        await asyncio.sleep(0.01)
+    assert drafting, "no worker started drafting in the bubble"
+    worker = drafting[0].hello.worker_id
+    b = await client.generate("yield-b", token_prompts(4, seed=93), SamplingParams(temperature=0, max_tokens=4),
+                              policy_version=v)
+    assert not a.done(), "current work waited for the step-A straggler or the draft jobs"
+    assert worker in {c.worker_id for c in b.completions}, "the drafting worker did not take the new work"
+    await a
+    cands = await cluster.store.get_drafts([prompt_key(p) for p in ahead])
+    partial = [e for entries in cands.values() for e in entries if e.source.value == "future" and len(e.tokens) < 480]
+    assert partial, "the preempted draft job did not keep its partial draft"

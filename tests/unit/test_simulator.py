@@ -1,0 +1,247 @@
+"""Unit tests of the cluster simulator (``bubblespec.scheduler.sim``): the cost model, the
+workload, the simulated engine, and whole simulated runs that drive the real SchedulerCore."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+from bubblespec.client.types import SchedulingPolicy
+from bubblespec.scheduler.sim.__main__ import main
+from bubblespec.scheduler.sim.costs import CPU_TINY, GPU_H100_7B, PROFILES, CostProfile
+from bubblespec.scheduler.sim.engine import Member, SimulatedEngine
+from bubblespec.scheduler.sim.simulator import SimResult, SimSettings, simulate
+from bubblespec.scheduler.sim.workload import AcceptanceModel, LengthModel, Workload, expected_accepted
+
+FLAT = CostProfile("flat", base_seconds=0.01, per_seq_seconds=0.0, per_draft_token_seconds=0.0,
+                   prefill_per_token_seconds=0.0)
+SHORT = Workload(lengths=LengthModel(median_tokens=200, max_tokens=4096))
+WAVES = SimSettings(capacity=8, samples=4)  # 4 workers x 8 slots for 512 requests: 16 waves
+
+
+def run(policy: str, drafting: bool, *, workers: int = 4, requests: int = 512, steps: int = 2, seed: int = 0,
+        settings: SimSettings = WAVES, workload: Workload = SHORT) -> SimResult:
+    return simulate(policy, workers, requests, steps, GPU_H100_7B, drafting, seed, workload=workload, settings=settings)
+
+
+def fingerprint(r: SimResult) -> list[tuple]:
+    return [(s.summary, s.delivered, s.with_future_draft, s.with_history_draft, s.draft_jobs) for s in r.steps]
+
+
+# --- cost model -------------------------------------------------------------------------------
+
+
+def test_step_seconds_is_linear_in_batch_drafts_and_prefill() -> None:
+    p = CostProfile("t", base_seconds=1.0, per_seq_seconds=0.1, per_draft_token_seconds=0.01,
+                    prefill_per_token_seconds=0.001)
+    assert p.step_seconds(0) == 1.0
+    assert p.step_seconds(10, 100, 1000) == pytest.approx(1.0 + 1.0 + 1.0 + 1.0)
+    assert p.prefill_seconds(500) == pytest.approx(0.5)
+
+
+def test_profiles_are_named_sourced_and_in_their_published_range() -> None:
+    assert PROFILES == {"cpu-tiny": CPU_TINY, "gpu-h100-7b": GPU_H100_7B}
+    assert all(p.source for p in PROFILES.values())
+    for batch in (64, 128, 256):  # ~10-15 ms per decode step at batch 64-256
+        assert 0.009 <= GPU_H100_7B.step_seconds(batch) <= 0.015
+    # memory-bound: a few hundred draft tokens cost a small share of a pass
+    assert GPU_H100_7B.step_seconds(64, 300) < 1.2 * GPU_H100_7B.step_seconds(64)
+    assert 0.0015 <= CPU_TINY.step_seconds(1) <= 0.003
+
+
+@pytest.mark.parametrize("field", ["base_seconds", "per_seq_seconds", "per_draft_token_seconds",
+                                   "prefill_per_token_seconds"])
+def test_profile_refuses_negative_constants(field: str) -> None:
+    kwargs = dict(base_seconds=0.01, per_seq_seconds=0.0, per_draft_token_seconds=0.0, prefill_per_token_seconds=0.0)
+    kwargs[field] = -1.0
+    with pytest.raises(ValueError, match=field):
+        CostProfile("bad", **kwargs)
+
+
+# --- workload ---------------------------------------------------------------------------------
+
+
+def test_workload_is_deterministic_by_seed_and_step() -> None:
+    w = Workload()
+    a, b = w.step(7, 3, 64, 4), w.step(7, 3, 64, 4)
+    assert [(p.token_ids, p.lengths, p.accept_z) for p in a] == [(p.token_ids, p.lengths, p.accept_z) for p in b]
+    assert [p.lengths for p in w.step(8, 3, 64, 4)] != [p.lengths for p in a]
+    assert {p.token_ids for p in w.step(7, 4, 64, 4)}.isdisjoint({p.token_ids for p in a})
+
+
+def test_lengths_are_long_tailed_and_capped() -> None:
+    lm = LengthModel(median_tokens=400, max_tokens=8192)
+    lengths = sorted(n for p in Workload(lengths=lm).step(0, 0, 4096, 4) for n in p.lengths)
+    median = lengths[len(lengths) // 2]
+    assert 300 <= median <= 550
+    assert lengths[int(0.99 * len(lengths))] >= 5 * median  # a few run 5-20x the median
+    assert 1 <= lengths[0] and lengths[-1] == 8192  # the cap is reached, never passed
+
+
+def test_expected_accepted_follows_the_chain_rule() -> None:
+    assert expected_accepted(0.7, 0) == 0.0
+    assert expected_accepted(0.7, 1) == pytest.approx(0.7)
+    assert expected_accepted(0.7, 3) == pytest.approx(0.7 + 0.49 + 0.343)
+    assert expected_accepted(1.0, 5) == 5.0
+
+
+def test_draft_length_rule_mirrors_the_worker() -> None:
+    from bubblespec.worker.draft_index import DraftLength
+
+    rule, model = DraftLength(), AcceptanceModel()
+    for batch in (1, 16, 64, 100, 256, 300):
+        assert model.batch_cap(batch) == rule.batch_cap(batch)
+        for alpha in (0.3, 0.45, 0.6, 0.7, 0.8, 0.9, 0.95):
+            assert model.draft_tokens(alpha, model.batch_cap(batch)) == rule.for_request(alpha, 1, rule.batch_cap(batch))
+
+
+def test_acceptance_spreads_around_the_source_mean() -> None:
+    m = AcceptanceModel(future=0.7, history=0.6)
+    assert m.alpha("future", 0.0) == pytest.approx(0.7)
+    assert m.alpha("history", 0.0) == pytest.approx(0.6)
+    assert m.alpha("future", -2.0) < 0.7 < m.alpha("future", 2.0) < 1
+
+
+# --- simulated engine -------------------------------------------------------------------------
+
+
+def engine(profile: CostProfile = FLAT) -> SimulatedEngine:
+    return SimulatedEngine("w0", profile, AcceptanceModel())
+
+
+def test_engine_runs_a_request_one_token_per_pass_without_a_draft() -> None:
+    e = engine()
+    e.add(0.0, Member("r", 100))
+    assert e.commit(0.0) == pytest.approx(1.0)  # 100 passes x 10 ms
+    (done,) = e.due(1.0)
+    assert done.key == "r" and done.forward_passes(e.passes) == 100 and e.idle
+
+
+def test_engine_drafts_only_while_the_draft_lasts() -> None:
+    e = engine()
+    e.add(0.0, Member("r", 200, draft_len=100, source="future", alpha=0.7))
+    t = e.commit(0.0)
+    rate = 1 + expected_accepted(0.7, 3)
+    assert t == pytest.approx(0.01 * 100 / rate)  # first boundary: the draft runs out
+    assert e.due(t) == [] and e.draft_tokens == 0  # now undrafted
+    t2 = e.commit(t)
+    assert t2 == pytest.approx(t + 0.01 * 100)
+    (done,) = e.due(t2)
+    assert done.accepted == pytest.approx(100 - 100 / rate)
+    assert done.forward_passes(e.passes) + round(done.accepted) == 200
+
+
+def test_engine_boundaries_stay_ordered_when_the_batch_changes() -> None:
+    p = CostProfile("b", base_seconds=0.01, per_seq_seconds=0.01, per_draft_token_seconds=0.0,
+                    prefill_per_token_seconds=0.0)
+    e = engine(p)
+    e.add(0.0, Member("long", 100))
+    assert e.commit(0.0) == pytest.approx(100 * 0.02)
+    e.add(0.5, Member("short", 10))  # 25 passes done; now 30 ms per pass
+    t = e.commit(0.5)
+    assert t == pytest.approx(0.5 + 10 * 0.03)
+    assert [m.key for m in e.due(t)] == ["short"]
+    t = e.commit(t)
+    assert t == pytest.approx(0.8 + 65 * 0.02)
+    (done,) = e.due(t)
+    assert done.key == "long" and done.forward_passes(e.passes) == 100
+
+
+def test_a_request_preempts_draft_jobs_which_keep_their_partial_draft() -> None:
+    e = engine()
+    e.add(0.0, Member("d1", 500, job=True))
+    e.add(0.0, Member("d2", 500, job=True))
+    e.commit(0.0)
+    preempted = e.add(1.0, Member("r", 10))
+    assert sorted(m.key for m in preempted) == ["d1", "d2"]
+    assert all(int(m.pos0) == 100 for m in preempted)  # 1 s at 10 ms per pass
+    assert list(e.members) == ["r"] and not e.jobs
+
+
+def test_prefill_delays_the_first_token() -> None:
+    p = CostProfile("p", base_seconds=0.01, per_seq_seconds=0.0, per_draft_token_seconds=0.0,
+                    prefill_per_token_seconds=0.001)
+    e = engine(p)
+    e.add(0.0, Member("r", 10, prompt_tokens=500))
+    assert e.commit(0.0) == pytest.approx(0.5 + 0.1)
+
+
+# --- whole runs against the real SchedulerCore ------------------------------------------------
+
+
+def test_runs_are_deterministic_by_seed() -> None:
+    a, b = run("queue", True, seed=5), run("queue", True, seed=5)
+    assert fingerprint(a) == fingerprint(b)
+    assert fingerprint(run("queue", True, seed=6)) != fingerprint(a)
+
+
+@pytest.mark.parametrize("policy,drafting", [("static", False), ("queue", False), ("queue", True),
+                                             ("static", True), ("longest-first", True)])
+def test_every_request_completes_exactly_once(policy: str, drafting: bool) -> None:
+    r = run(policy, drafting, settings=SimSettings(capacity=8, samples=4, policy_updates=True, load_seconds=12.0))
+    assert len(r.steps) == 2
+    for i, s in enumerate(r.steps):
+        assert s.requests == 512 and s.delivered == 512 and s.duplicates == 0
+        assert s.summary.completions == 512 and s.summary.policy_version == i
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_queue_makespan_is_not_above_static_with_long_tails(seed: int) -> None:
+    static = run("static", False, steps=1, seed=seed)
+    queue = run("queue", False, steps=1, seed=seed)
+    assert queue.steps[0].makespan_seconds <= static.steps[0].makespan_seconds
+
+
+def test_drafting_lowers_forward_passes_per_token() -> None:
+    one_wave = SimSettings(capacity=64, samples=4)  # 16 workers x 64 slots: bubbles from the first finish
+    plain = run("queue", False, workers=16, settings=one_wave)
+    drafted = run("queue", True, workers=16, settings=one_wave)
+    for s in plain.steps:
+        assert s.forward_passes_per_token == 1.0 and s.drafting_share == 0.0 and s.accepted_per_pass == 0.0
+    first, second = drafted.steps
+    assert first.drafting_share > 0 and first.with_future_draft == 0  # drafts for step 1 are made here
+    assert second.with_future_draft > 0.9 * second.requests
+    assert second.forward_passes_per_token < 0.8 * plain.steps[1].forward_passes_per_token
+    assert second.accepted_per_pass > 0.3
+    p = second.summary.provenance
+    assert p.forward_passes + p.accepted() == second.summary.generated_tokens
+    assert p.accepted("future") > 0 and p.drafted("future") >= p.accepted("future")
+
+
+def test_finished_siblings_serve_as_history_drafts() -> None:
+    first = run("queue", True, steps=1).steps[0]
+    assert first.with_history_draft > 0
+    assert first.summary.provenance.accepted("history") > 0
+
+
+def test_bubble_shares_come_from_the_core_summary() -> None:
+    s = run("static", False, workers=16, requests=256, steps=1, settings=SimSettings(capacity=64, samples=4)).steps[0]
+    total = s.summary.busy_worker_seconds + s.summary.idle_worker_seconds + s.summary.drafting_worker_seconds
+    assert total == pytest.approx(16 * s.makespan_seconds, rel=1e-6)
+    assert 0 < s.bubble_share < 1 and s.bubble_share == s.summary.bubble_share
+
+
+def test_simulate_refuses_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="multiple of samples"):
+        simulate("queue", 2, 10, 1, GPU_H100_7B, False, settings=SimSettings(samples=4))
+    with pytest.raises(ValueError):
+        simulate("fastest", 2, 16, 1, GPU_H100_7B, False)
+    assert run("queue", False, steps=1).policy is SchedulingPolicy.QUEUE
+
+
+def test_a_small_scale_run_finishes_quickly() -> None:
+    started = time.perf_counter()
+    r = simulate("queue", 64, 4096, 2, CPU_TINY, True, seed=1)
+    assert r.steps[-1].delivered == 4096
+    assert time.perf_counter() - started < 15  # about 1 s here; generous for slow CI machines
+    assert math.isfinite(r.mean("makespan_seconds"))
+
+
+def test_cli_prints_a_table_with_speedups_against_static(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--workers", "2,4", "--requests", "64", "--samples", "4", "--steps", "2",
+                 "--max-tokens", "1024", "--policies", "queue,queue+drafts,static+drafts"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "workers" not in line]
+    assert [r.split("|")[2].strip() for r in rows] == ["static", "queue", "queue+drafts", "static+drafts"] * 2
+    assert all(r.split("|")[4].strip() == "1.00x" for r in rows if r.split("|")[2].strip() == "static")
