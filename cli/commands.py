@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -57,6 +58,13 @@ def worker(a: argparse.Namespace) -> None:
     run(settings, store, a.metrics_port)
 
 
+def _on_core(settings: EngineSettings, core: int) -> EngineSettings:
+    """Pin a CPU engine to one core unless the settings name cores already."""
+    from dataclasses import replace
+
+    return settings if settings.cpu_cores else replace(settings, cpu_cores=str(core))
+
+
 class Cluster:
     """Scheduler + N vLLM workers + one in-process draft store, in this process (``up``)."""
 
@@ -81,7 +89,8 @@ class Cluster:
         await self.scheduler.start()
         self.store = open_store(self.store_settings, resilient=True)
         target = f"127.0.0.1:{self.scheduler.grpc_port}"
-        self.engines = [VllmEngine(self.engine_settings) for _ in range(self.num_workers)]
+        cores = os.cpu_count() or 1
+        self.engines = [VllmEngine(_on_core(self.engine_settings, i % cores)) for i in range(self.num_workers)]
         await asyncio.gather(*(engine.start() for engine in self.engines))
         for i, engine in enumerate(self.engines):
             agent = WorkerAgent(WorkerSettings(scheduler=target, worker_id=f"worker-{i}",

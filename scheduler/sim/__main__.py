@@ -21,7 +21,7 @@ from bubblespec.scheduler.sim.costs import PROFILES
 from bubblespec.scheduler.sim.simulator import SimResult, SimSettings, simulate
 from bubblespec.scheduler.sim.workload import AcceptanceModel, LengthModel, Workload
 
-__all__ = ["main", "format_table"]
+__all__ = ["format_table", "main"]
 
 BASELINE = "static"
 POLICIES = ("static", "queue", "queue+drafts", "static+drafts", "longest-first", "longest-first+drafts")
@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity", type=int, default=256, help="requests per worker at once (max_num_seqs)")
     p.add_argument("--median-tokens", type=float, default=400.0, help="median response length")
     p.add_argument("--max-tokens", type=int, default=8192, help="response length cap")
+    p.add_argument("--prompt-sigma", type=float, default=0.7, help="log-space spread of prompt length scales")
+    p.add_argument("--sample-sigma", type=float, default=0.6,
+                   help="log-space spread of a sample (and a draft) around its prompt's scale")
     p.add_argument("--accept-future", type=float, default=0.7, help="per-token acceptance of future drafts")
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -77,7 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = [BASELINE] + [n for n in names if n != BASELINE]
     runs = [(n, *_policy(n)) for n in names]
     profile = PROFILES[args.profile]
-    workload = Workload(lengths=LengthModel(median_tokens=args.median_tokens, max_tokens=args.max_tokens))
+    workload = Workload(lengths=LengthModel(median_tokens=args.median_tokens, max_tokens=args.max_tokens,
+                                            prompt_sigma=args.prompt_sigma, sample_sigma=args.sample_sigma))
     acceptance = replace(AcceptanceModel(), future=args.accept_future)
     settings = SimSettings(capacity=args.capacity, samples=args.samples)
     print(f"profile {profile.name} ({profile.source}); {args.requests} requests/step, {args.samples} samples/prompt, "

@@ -109,7 +109,7 @@ class SimulatedEngine:
         self.advance(now)
         preempted: list[Member] = []
         if not member.job and self.jobs:
-            preempted = [self.remove(now, key) for key in list(self.members)]  # type: ignore[misc]
+            preempted = [m for key in list(self.members) if (m := self.remove(now, key)) is not None]
         if member.job and self.members and not self.jobs:
             raise RuntimeError(f"{self.worker_id}: a draft job cannot join a batch of requests")
         self.jobs = member.job
@@ -185,8 +185,8 @@ class SimulatedEngine:
         self.pass_seconds = self.profile.step_seconds(len(self.members), self.draft_tokens)
         while self._heap:
             target, _, key, gen = self._heap[0]
-            m = self.members.get(key)
-            if m is not None and m.gen == gen:
+            top = self.members.get(key)
+            if top is not None and top.gen == gen:
                 return self.at + self.debt + max(0.0, target - self.passes) * self.pass_seconds
             heapq.heappop(self._heap)
         raise RuntimeError(f"{self.worker_id}: members without a scheduled boundary")

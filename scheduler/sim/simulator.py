@@ -24,11 +24,27 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from bubblespec.client.types import (
-    Completion, FinishReason, Prompt, Provenance, SamplingParams, SchedulingPolicy, SourceStats, StepSummary,
+    Completion,
+    FinishReason,
+    Prompt,
+    Provenance,
+    SamplingParams,
+    SchedulingPolicy,
+    SourceStats,
+    StepSummary,
 )
 from bubblespec.scheduler.core.state import CoreSettings, SchedulerCore
 from bubblespec.scheduler.core.types import (
-    Abort, Action, Assign, Deliver, LoadPolicy, ModelLimits, PolicyReady, StartDraft, StepFinished, StopDraft,
+    Abort,
+    Action,
+    Assign,
+    Deliver,
+    LoadPolicy,
+    ModelLimits,
+    PolicyReady,
+    StartDraft,
+    StepFinished,
+    StopDraft,
     WorkerHello,
 )
 from bubblespec.scheduler.core.validate import Limits, build_step
@@ -64,6 +80,9 @@ class SimSettings:
     history_drafts: bool = True
     """A finished sample becomes a ``history`` draft for samples of its prompt that start later
     (the worker agent stores every completion as one)."""
+    train_seconds: float = 0.0
+    """Simulated time between a step's end and the next step (reward + training). The core
+    stops draft jobs when no step is running, so the workers idle through it."""
     policy_updates: bool = False
     """Between steps, call ``update_policy`` and report every worker's load (the RL weight
     push). Off by default: the core's barrier is O(workers^2) today (see docs/SIMULATOR.md)."""
@@ -72,7 +91,7 @@ class SimSettings:
     straggler_watch: bool | None = None
     """Straggler watch of the steps; None: on for queue policies, off for ``static`` (the
     baseline is today's data-parallel split, which moves nothing)."""
-    core: CoreSettings = CoreSettings()
+    core: CoreSettings = field(default_factory=CoreSettings)
     """Core settings (``drafting`` is set from ``simulate``'s argument)."""
     max_sim_seconds: float = 1e7
     """Give up (``SimStalled``) when simulated time passes this."""
@@ -93,6 +112,8 @@ class StepStats:
     with_history_draft: int
     draft_jobs: int
     """Draft jobs started during the step."""
+    drafting_workers: int
+    """Distinct workers that got a draft job during the step."""
     wall_seconds: float
     """Real seconds the simulator spent on the step."""
 
@@ -150,6 +171,11 @@ class SimResult:
         return self.policy.value + ("+drafts" if self.drafting else "")
 
 
+DEFAULT_WORKLOAD = Workload()
+DEFAULT_ACCEPTANCE = AcceptanceModel()
+DEFAULT_SETTINGS = SimSettings()
+
+
 def simulate(
     policy: SchedulingPolicy | str,
     workers: int,
@@ -159,9 +185,9 @@ def simulate(
     drafting: bool,
     seed: int = 0,
     *,
-    workload: Workload = Workload(),
-    acceptance: AcceptanceModel = AcceptanceModel(),
-    settings: SimSettings = SimSettings(),
+    workload: Workload = DEFAULT_WORKLOAD,
+    acceptance: AcceptanceModel = DEFAULT_ACCEPTANCE,
+    settings: SimSettings = DEFAULT_SETTINGS,
     on_step: Callable[[StepStats], None] | None = None,
 ) -> SimResult:
     """Simulate ``steps`` rollout steps of ``requests_per_step`` requests on ``workers`` workers."""
@@ -176,6 +202,8 @@ def simulate(
     setup = time.perf_counter() - started
     stats = []
     for s in range(steps):
+        if s and settings.train_seconds > 0:
+            sim.train(settings.train_seconds)
         if s and settings.policy_updates:
             sim.update_policy()
         stats.append(sim.run_step(s))
@@ -194,6 +222,7 @@ class _StepLog:
     with_future: int = 0
     with_history: int = 0
     draft_jobs: int = 0
+    drafters: set[str] = field(default_factory=set)
     summary: StepSummary | None = None
 
 
@@ -257,7 +286,11 @@ class _Simulation:
         self._run_until(lambda: log.summary is not None)
         assert log.summary is not None
         return StepStats(log.summary, log.requests, len(log.delivered), log.duplicates, log.with_future,
-                         log.with_history, log.draft_jobs, time.perf_counter() - started)
+                         log.with_history, log.draft_jobs, len(log.drafters), time.perf_counter() - started)
+
+    def train(self, seconds: float) -> None:
+        """Let ``seconds`` of simulated time pass with no step running (reward + training)."""
+        self._run_until(lambda: False, until=self.now + seconds)
 
     def update_policy(self) -> None:
         version = self.core.version + 1
@@ -267,7 +300,8 @@ class _Simulation:
 
     # --------------------------------------------------------- event loop --
 
-    def _run_until(self, done: Callable[[], bool]) -> None:
+    def _run_until(self, done: Callable[[], bool], until: float = math.inf) -> None:
+        """Process events in time order until ``done()`` or simulated time reaches ``until``."""
         tick = self.settings.tick_seconds
         idle_since = None
         while not done():
@@ -279,6 +313,9 @@ class _Simulation:
                 idle_since = self.now
             t_next = self.heap[0][0] if self.heap else math.inf
             t_tick = (self.tick_no + 1) * tick
+            if min(t_next, t_tick) > until:
+                self.now = until
+                return
             if t_tick <= t_next:
                 self.now = t_tick
                 self.tick_no += 1
@@ -295,12 +332,14 @@ class _Simulation:
             self._commit()
 
     def _check_stall(self, idle_since: float | None) -> None:
+        log = self.log
+        if log is None or log.summary is not None:
+            return  # no step running: an idle cluster is fine
         limit = self.settings.core.worker_timeout_seconds + self.settings.core.stall_seconds
         if self.now > self.settings.max_sim_seconds or (idle_since is not None and self.now - idle_since > limit):
-            log = self.log
-            left = log.requests - len(log.delivered) if log else 0
+            left = log.requests - len(log.delivered)
             raise SimStalled(f"t={self.now:.1f}s: nothing is running for {self.now - (idle_since or 0):.0f}s "
-                             f"and step {log.step_id if log else '-'} has {left} requests undelivered")
+                             f"and step {log.step_id} has {left} requests undelivered")
 
     def _tick(self) -> None:
         core, now = self.core, self.now
@@ -343,7 +382,7 @@ class _Simulation:
 
     def _completion(self, wid: str, m: Member, passes: float) -> Completion:
         req = m.payload
-        sources = ()
+        sources: tuple[SourceStats, ...] = ()
         if m.spec_passes > 0:
             sources = (SourceStats(m.source, round(m.drafted), round(m.accepted)),)
         finish = FinishReason.LENGTH if m.length >= req.sampling.max_tokens else FinishReason.STOP  # type: ignore[attr-defined]
@@ -413,6 +452,7 @@ class _Simulation:
         self.dirty[a.worker_id] = None
         if self.log is not None:
             self.log.draft_jobs += 1
+            self.log.drafters.add(a.worker_id)
 
     def _keep_partial(self, m: Member | None) -> None:
         """A preempted draft job keeps what it generated (the worker stores partial drafts)."""

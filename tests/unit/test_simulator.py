@@ -12,7 +12,12 @@ from bubblespec.scheduler.sim.__main__ import main
 from bubblespec.scheduler.sim.costs import CPU_TINY, GPU_H100_7B, PROFILES, CostProfile
 from bubblespec.scheduler.sim.engine import Member, SimulatedEngine
 from bubblespec.scheduler.sim.simulator import SimResult, SimSettings, simulate
-from bubblespec.scheduler.sim.workload import AcceptanceModel, LengthModel, Workload, expected_accepted
+from bubblespec.scheduler.sim.workload import (
+    AcceptanceModel,
+    LengthModel,
+    Workload,
+    expected_accepted,
+)
 
 FLAT = CostProfile("flat", base_seconds=0.01, per_seq_seconds=0.0, per_draft_token_seconds=0.0,
                    prefill_per_token_seconds=0.0)
@@ -53,7 +58,8 @@ def test_profiles_are_named_sourced_and_in_their_published_range() -> None:
 @pytest.mark.parametrize("field", ["base_seconds", "per_seq_seconds", "per_draft_token_seconds",
                                    "prefill_per_token_seconds"])
 def test_profile_refuses_negative_constants(field: str) -> None:
-    kwargs = dict(base_seconds=0.01, per_seq_seconds=0.0, per_draft_token_seconds=0.0, prefill_per_token_seconds=0.0)
+    kwargs = {"base_seconds": 0.01, "per_seq_seconds": 0.0, "per_draft_token_seconds": 0.0,
+              "prefill_per_token_seconds": 0.0}
     kwargs[field] = -1.0
     with pytest.raises(ValueError, match=field):
         CostProfile("bad", **kwargs)

@@ -1,0 +1,320 @@
+"""A mini RLVR workload that runs on CPU: a verifiable task with long-tailed response lengths,
+a supervised warm-start of the tiny Llama on it, and measurements of the resulting policy.
+
+The task is step-by-step addition of a heavy-tailed number of small terms. Each term of the
+prompt carries a letter label, and the response writes one labelled step per term, then the
+answer after ``#``::
+
+    prompt   a7+b2+c3=
+    target   b:7+2=9;c:9+3=12;#12
+
+The labels make "which term comes next" a content lookup (find ``c`` in the prompt) rather
+than a position count, which a model of a few hundred thousand parameters learns in minutes
+on two CPU cores; the step structure then holds for 40 terms as well as for 2, so response
+lengths follow the term count: most responses are short, a few are 10-20x longer, as in RL
+post-training rollouts.
+
+    prompts = make_prompts(64, seed=0)
+    train_rlvr_model("/tmp/rlvr-model")          # HuggingFace dir, loadable by vLLM
+    reward(prompts[0], "b:7+2=9;c:9+3=12;#12")   # 1.0 if the answer after '#' is right
+
+Torch and transformers are imported inside the functions that need them: the task itself
+(prompts, targets, rewards) is plain Python.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import re
+import string
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bubblespec.worker.tiny_model import TINY_VOCAB, build_tiny_model
+
+__all__ = [
+    "EOS_ID", "TaskSettings", "TrainSettings", "decode", "encode", "evaluate", "length_stats",
+    "make_prompts", "mean_token_entropy", "parse_prompt", "reward", "sample_responses",
+    "target", "token_entropy", "train_rlvr_model",
+]
+
+logger = logging.getLogger(__name__)
+
+EOS_ID = 2
+"""``</s>`` in the tiny tokenizer: every target ends with it."""
+LABELS = string.ascii_lowercase + string.ascii_uppercase
+"""Term labels, in order: ``a``..``z`` then ``A``..``Z`` (52 terms at most)."""
+_TOKEN_ID = {tok: i for i, tok in enumerate(TINY_VOCAB)}
+_PROMPT_RE = re.compile(r"([a-zA-Z])(\d+)")
+_STEP_RE = re.compile(r"([a-zA-Z]):(\d+)\+(\d+)=(\d+);")
+_ANSWER_RE = re.compile(r"#(\d+)\s*$")
+
+
+# --------------------------------------------------------------------------------------- task
+
+
+@dataclass(frozen=True)
+class TaskSettings:
+    """The distribution of problems."""
+
+    min_terms: int = 2
+    """Fewest terms in a prompt."""
+    max_terms: int = 40
+    """Most terms in a prompt (at most 52, the number of labels)."""
+    tail_exponent: float = 2.2
+    """P(k terms) is proportional to k ** -tail_exponent: smaller means a heavier tail."""
+    max_term: int = 9
+    """Terms are drawn uniformly from 1..max_term."""
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.min_terms <= self.max_terms <= len(LABELS):
+            raise ValueError(f"need 2 <= min_terms <= max_terms <= {len(LABELS)}")
+        if self.max_term < 1:
+            raise ValueError("max_term must be at least 1")
+
+
+def make_prompts(n: int, seed: int, settings: TaskSettings = TaskSettings()) -> list[str]:
+    """``n`` prompts such as ``a7+b2+c3=``; the same ``(n, seed, settings)`` gives the same list,
+    and a longer list starts with the shorter one."""
+    rng = random.Random(seed)
+    counts = list(range(settings.min_terms, settings.max_terms + 1))
+    weights = [k ** -settings.tail_exponent for k in counts]
+    prompts = []
+    for _ in range(n):
+        k = rng.choices(counts, weights)[0]
+        terms = [rng.randint(1, settings.max_term) for _ in range(k)]
+        prompts.append("+".join(f"{LABELS[i]}{t}" for i, t in enumerate(terms)) + "=")
+    return prompts
+
+
+def parse_prompt(prompt: str) -> list[int]:
+    """The terms of a prompt; ``ValueError`` if it is not one this task makes."""
+    if not prompt.endswith("=") or len(prompt) < 2:
+        raise ValueError(f"not a task prompt: {prompt[:40]!r}")
+    parts = prompt[:-1].split("+")
+    terms = []
+    for i, part in enumerate(parts):
+        m = _PROMPT_RE.fullmatch(part)
+        if m is None or i >= len(LABELS) or m.group(1) != LABELS[i]:
+            raise ValueError(f"not a task prompt: {prompt[:40]!r}")
+        terms.append(int(m.group(2)))
+    if len(terms) < 2:
+        raise ValueError(f"not a task prompt: {prompt[:40]!r}")
+    return terms
+
+
+def _steps(terms: Sequence[int]) -> list[tuple[str, int, int, int]]:
+    """(label, running sum so far, term, new running sum) for each term after the first."""
+    out, total = [], terms[0]
+    for i, t in enumerate(terms[1:], start=1):
+        out.append((LABELS[i], total, t, total + t))
+        total += t
+    return out
+
+
+def target(prompt: str) -> str:
+    """The reference response: one ``label:sum+term=sum;`` step per term, then ``#answer``."""
+    terms = parse_prompt(prompt)
+    return "".join(f"{lab}:{s}+{t}={r};" for lab, s, t, r in _steps(terms)) + f"#{sum(terms)}"
+
+
+def reward(prompt: str, response_text: str, *, step_credit: float = 0.0) -> float:
+    """1.0 if the response ends with ``#<the right sum>``, else ``step_credit`` times the share
+    of reference steps the response got right, in order (0.0 by default: a binary reward).
+    A malformed response (no final ``#<integer>``) earns only step credit."""
+    terms = parse_prompt(prompt)
+    text = response_text.replace("</s>", "")
+    answer = _ANSWER_RE.search(text)
+    if answer is not None and int(answer.group(1)) == sum(terms):
+        return 1.0
+    if step_credit <= 0.0:
+        return 0.0
+    expected = _steps(terms)
+    got = [(m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4))) for m in _STEP_RE.finditer(text)]
+    right = 0
+    for want, have in zip(expected, got):
+        if want != have:
+            break
+        right += 1
+    return step_credit * right / len(expected)
+
+
+def encode(text: str) -> list[int]:
+    """Token ids of ``text`` in the tiny character tokenizer (no BOS, no EOS)."""
+    try:
+        return [_TOKEN_ID[c] for c in text]
+    except KeyError as exc:
+        raise ValueError(f"character {exc.args[0]!r} is not in the tiny vocabulary") from None
+
+
+def decode(token_ids: Sequence[int]) -> str:
+    """Text of ``token_ids``, special tokens dropped."""
+    return "".join(TINY_VOCAB[t] for t in token_ids if 3 < t < len(TINY_VOCAB))
+
+
+def _quantile(sorted_values: Sequence[int], q: float) -> float:
+    pos = q * (len(sorted_values) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def length_stats(lengths: Sequence[int]) -> dict[str, float]:
+    """p50 / p90 / p95 / p99 / max / mean of a list of lengths."""
+    v = sorted(lengths)
+    return {"n": len(v), "mean": sum(v) / len(v), "p50": _quantile(v, 0.5), "p90": _quantile(v, 0.9),
+            "p95": _quantile(v, 0.95), "p99": _quantile(v, 0.99), "max": v[-1]}
+
+
+# ----------------------------------------------------------------------------------- training
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """Supervised warm-start of the tiny Llama on the task (teacher forcing on prompt + target)."""
+
+    steps: int = 1200
+    """Optimizer steps."""
+    hidden_size: int = 128
+    """Model width (a multiple of 64: heads are 64 wide)."""
+    num_layers: int = 3
+    """Transformer layers."""
+    max_len: int = 1024
+    """Longest prompt + response the model is built for (vLLM's max_model_len)."""
+    batch_tokens: int = 6144
+    """Padded tokens per batch (sequences of similar length are batched together)."""
+    lr: float = 3e-3
+    """Peak AdamW learning rate (linear warm-up, cosine decay to 10%)."""
+    warmup_steps: int = 60
+    """Steps of linear learning-rate warm-up."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    threads: int = 2
+    """torch CPU threads while training."""
+    pool_size: int = 4096
+    """Fresh problems generated per data epoch (each epoch draws new ones)."""
+    log_every: int = 50
+    """Log the loss every this many steps (0 = never)."""
+
+
+def _batches(seed: int, s: TrainSettings, task: TaskSettings) -> Iterator[list[list[int]]]:
+    """Endless batches of token sequences (prompt + target + EOS), similar lengths together."""
+    epoch = 0
+    while True:
+        rng = random.Random(seed * 1_000_003 + epoch)
+        prompts = make_prompts(s.pool_size, seed=rng.randrange(2**62), settings=task)
+        seqs = sorted(([encode(p), encode(target(p)) + [EOS_ID]] for p in prompts),
+                      key=lambda x: len(x[0]) + len(x[1]))
+        batches, current = [], []
+        for seq in seqs:
+            longest = len(seq[0]) + len(seq[1])
+            if current and (len(current) + 1) * longest > s.batch_tokens:
+                batches.append(current)
+                current = []
+            current.append(seq)
+        batches.append(current)
+        rng.shuffle(batches)
+        yield from batches
+        epoch += 1
+
+
+def _collate(batch: list[list[list[int]]]):
+    """Right-padded ids, attention mask and labels (-100 on the prompt and the padding)."""
+    import torch
+
+    width = max(len(p) + len(r) for p, r in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    mask = torch.zeros(len(batch), width, dtype=torch.long)
+    labels = torch.full((len(batch), width), -100, dtype=torch.long)
+    for i, (p, r) in enumerate(batch):
+        n = len(p) + len(r)
+        ids[i, :n] = torch.tensor(p + r)
+        mask[i, :n] = 1
+        labels[i, len(p):n] = torch.tensor(r)
+    return ids, mask, labels
+
+
+def _lr_at(step: int, s: TrainSettings) -> float:
+    if step < s.warmup_steps:
+        return s.lr * (step + 1) / s.warmup_steps
+    done = (step - s.warmup_steps) / max(1, s.steps - s.warmup_steps)
+    return s.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, done))))
+
+
+class _TorchContext:
+    """Thread count and deterministic algorithms for the duration of a block, then restored."""
+
+    def __init__(self, threads: int | None):
+        self.threads = threads
+
+    def __enter__(self):
+        import torch
+
+        self._saved = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled())
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        torch.use_deterministic_algorithms(True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch
+
+        torch.set_num_threads(self._saved[0])
+        torch.use_deterministic_algorithms(self._saved[1])
+
+
+def train_rlvr_model(
+    path: str | Path,
+    seed: int = 0,
+    steps: int | None = None,
+    *,
+    settings: TrainSettings = TrainSettings(),
+    task: TaskSettings = TaskSettings(),
+    log: Callable[[str], None] | None = None,
+) -> dict:
+    """Build the tiny Llama at ``path``, train it on the task, save it there; return stats.
+
+    The directory has the layout ``build_tiny_model`` writes (config, safetensors weights,
+    tokenizer files) and loads in transformers and vLLM. Same seed and settings, same
+    weights (on the same machine and torch build)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from dataclasses import replace
+
+    s = settings if steps is None else replace(settings, steps=steps)
+    log = log or logger.info
+    path = Path(path)
+    build_tiny_model(path, seed=seed, hidden_size=s.hidden_size, num_layers=s.num_layers,
+                     max_len=s.max_len, init_scale=0.02)
+    started = time.monotonic()
+    with _TorchContext(s.threads):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa")
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.98), weight_decay=s.weight_decay)
+        batches = _batches(seed, s, task)
+        losses: list[float] = []
+        for step in range(s.steps):
+            ids, mask, labels = _collate(next(batches))
+            for group in opt.param_groups:
+                group["lr"] = _lr_at(step, s)
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            losses.append(float(loss))
+            if s.log_every and (step + 1) % s.log_every == 0:
+                recent = losses[-s.log_every:]
+                log(f"step {step + 1}/{s.steps} loss {sum(recent) / len(recent):.4f} "
+                    f"({time.monotonic() - started:.0f}s)")
+        model.eval()
+        model.save_pretrained(str(path), safe_serialization=True)
+    tail = losses[-max(1, min(50, len(losses))):]
+    return {"path": str(path), "seed": seed, "seconds": time.monotonic() - started,
+            "final_loss": sum(tail) / len(tail), "settings": asdict(s), "task": asdict(task),
+            "parameters": sum(p.numel() for p in model.parameters())}
