@@ -24,7 +24,8 @@ def _scheduler_settings(a: argparse.Namespace, **over) -> SchedulerSettings:
     fields = dict(host=a.host, grpc_port=a.grpc_port, http_port=a.http_port, tokenizer=a.tokenizer,
                   redis_url=a.redis_url, redis_password=a.redis_password, trainer_token=a.trainer_token,
                   worker_token=a.worker_token, tls_cert_file=a.tls_cert_file, tls_key_file=a.tls_key_file,
-                  tls_client_ca_file=a.tls_client_ca_file, default_policy=a.default_policy)
+                  tls_client_ca_file=a.tls_client_ca_file, default_policy=a.default_policy,
+                  redis_tls_ca_file=a.redis_tls_ca_file, orphan_grace_seconds=a.orphan_grace_seconds)
     fields.update(over)
     return SchedulerSettings(**fields)
 
@@ -140,6 +141,12 @@ def up(a: argparse.Namespace) -> None:
         asyncio.run(main())
     except KeyboardInterrupt:
         pass
+
+
+def bench(a: argparse.Namespace) -> None:
+    from bubblespec.cli.bench import main
+
+    main(a)
 
 
 def demo(a: argparse.Namespace) -> None:

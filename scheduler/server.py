@@ -47,7 +47,14 @@ class Scheduler:
         self.settings = settings
         self.core = SchedulerCore(settings.core, clock=time.monotonic)
         tokenize = load_tokenizer(settings.tokenizer) if settings.tokenizer else None
-        self.service = SchedulerService(self.core, tokenize)
+        journal = None
+        if settings.redis_url:
+            from bubblespec.scheduler.journal import StepJournal
+            from bubblespec.store import StoreSettings
+
+            journal = StepJournal(StoreSettings(url=settings.redis_url, password=settings.redis_password,
+                                                tls_ca_file=settings.redis_tls_ca_file))
+        self.service = SchedulerService(self.core, tokenize, journal, settings.orphan_grace_seconds)
         self.metrics = SchedulerMetrics(self.service)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self.grpc_port = 0
@@ -58,6 +65,12 @@ class Scheduler:
 
     async def start(self) -> None:
         s = self.settings
+        if self.service.journal is not None:
+            self.service.journal.start()
+            policy = await self.service.journal.load_policy()
+            if policy is not None:  # a restart: the cluster keeps its policy version
+                self.core.version, self.core.weights_path = policy
+                logger.info("restored policy version %d from the journal", policy[0])
         opts = [("grpc.max_send_message_length", s.max_message_bytes),
                 ("grpc.max_receive_message_length", s.max_message_bytes)]
         server = grpc.aio.server(options=opts, interceptors=[
@@ -113,6 +126,8 @@ class Scheduler:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+        if self.service.journal is not None:
+            await self.service.journal.close()
 
 
 async def _set_health(servicer, name: str, status) -> None:

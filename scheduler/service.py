@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.client import _convert as cv
 from bubblespec.client.types import Completion, SamplingParams
-from bubblespec.scheduler.core.state import SchedulerCore
+from bubblespec.scheduler.core.state import SchedulerCore, request_key
 from bubblespec.scheduler.core.types import (
     Abort, Action, Assign, Deliver, Disconnect, InvalidRequest, LoadPolicy, PolicyReady, StartDraft, StepFinished, StepSpec,
     StopDraft, WorkerHello,
@@ -43,9 +43,12 @@ class WorkerLink:
 
 
 class SchedulerService:
-    def __init__(self, core: SchedulerCore, tokenize: Callable[[str], tuple[int, ...]] | None = None):
+    def __init__(self, core: SchedulerCore, tokenize: Callable[[str], tuple[int, ...]] | None = None,
+                 journal=None, orphan_grace_seconds: float = 30.0):
         self.core = core
         self.tokenize = tokenize
+        self.journal = journal  # StepJournal or None: what a restarted scheduler needs
+        self.orphan_grace_seconds = orphan_grace_seconds
         self.links: dict[str, WorkerLink] = {}
         self.subscribers: dict[str, list[asyncio.Queue]] = {}
         self.barriers: list[tuple[int, asyncio.Future]] = []
@@ -82,6 +85,9 @@ class SchedulerService:
                         logger.warning("worker %s disconnected: %s", worker_id, reason)
                         link.close()
                 case Deliver(step_id, completion):
+                    if self.journal is not None:
+                        key = request_key(step_id, completion.prompt_id, completion.sample_index)
+                        self.journal.save_completion(key, completion)
                     self._publish(step_id, pb.GenerateResponse(completion=cv.completion_to_pb(completion)))
                 case StepFinished(step_id, summary):
                     self._publish(step_id, pb.GenerateResponse(summary=cv.summary_to_pb(summary)))
@@ -89,6 +95,8 @@ class SchedulerService:
                     logger.info("step %s finished: %d completions in %.2fs", step_id, summary.completions,
                                 summary.makespan_seconds)
                 case PolicyReady(version, workers):
+                    if self.journal is not None:
+                        self.journal.save_policy(version, self.core.weights_path)
                     for v, fut in list(self.barriers):
                         if v <= version and not fut.done():
                             fut.set_result(workers)
@@ -110,7 +118,11 @@ class SchedulerService:
         if self.draining:
             raise InvalidRequest("step_id", "the scheduler is shutting down", "UNAVAILABLE")
         existing = self.core.check_step(spec)
+        done = await self._journaled(spec) if existing is None else {}
+        existing = self.core.check_step(spec)  # another call may have submitted it meanwhile
         queue: asyncio.Queue = asyncio.Queue()
+        for c in done.values():  # delivered by an earlier scheduler: replay
+            queue.put_nowait(pb.GenerateResponse(completion=cv.completion_to_pb(c)))
         if existing is not None:  # resume: replay what is done, then follow
             for c in existing.completions.values():
                 queue.put_nowait(pb.GenerateResponse(completion=cv.completion_to_pb(c)))
@@ -122,7 +134,9 @@ class SchedulerService:
         self.subscribers.setdefault(spec.step_id, []).append(queue)
         try:
             if existing is None:
-                self.execute(self.core.submit_step(spec))
+                if self.journal is not None:
+                    self.journal.save_step(spec.step_id, spec.fingerprint)
+                self.execute(self.core.submit_step(spec, done))
             while (msg := await queue.get()) is not _END:
                 yield msg
             step = self.core.steps.get(spec.step_id)
@@ -134,6 +148,28 @@ class SchedulerService:
                 subs.remove(queue)
             if not subs:
                 self.subscribers.pop(spec.step_id, None)
+                step = self.core.steps.get(spec.step_id)
+                if step is not None and step.active:  # the trainer went away mid-step
+                    asyncio.get_running_loop().call_later(self.orphan_grace_seconds, self._cancel_orphan, spec.step_id)
+
+    async def _journaled(self, spec: StepSpec) -> dict:
+        """Completions of this step that an earlier scheduler delivered (restart), if any."""
+        if self.journal is None:
+            return {}
+        prior = await self.journal.load_step(spec.step_id)
+        if prior is None:
+            return {}
+        fingerprint, done = prior
+        if fingerprint != spec.fingerprint:
+            raise InvalidRequest("step_id", f"step {spec.step_id!r} exists with different content", "ALREADY_EXISTS")
+        logger.info("step %s resumed from the journal: %d completions already delivered", spec.step_id, len(done))
+        return done
+
+    def _cancel_orphan(self, step_id: str) -> None:
+        step = self.core.steps.get(step_id)
+        if step is not None and step.active and not self.subscribers.get(step_id):
+            logger.warning("step %s: no trainer attached for %.0fs, cancelling", step_id, self.orphan_grace_seconds)
+            self.execute(self.core.cancel_step(step_id))
 
     async def update_policy(self, version: int, weights_path: str) -> int:
         fut = asyncio.get_running_loop().create_future()

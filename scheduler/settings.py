@@ -28,6 +28,8 @@ class SchedulerSettings:
     """Draft store URL ('' = none). The scheduler keeps length history and resumable steps there."""
     redis_password: str = field(default="", repr=False)
     """Redis password."""
+    redis_tls_ca_file: str = ""
+    """PEM CA for a rediss:// URL."""
     trainer_token: str = field(default="", repr=False)
     """Bearer token trainers must send ('' = no authentication)."""
     worker_token: str = field(default="", repr=False)
@@ -44,6 +46,9 @@ class SchedulerSettings:
     """Period of the straggler and liveness checks."""
     drain_seconds: float = 30.0
     """On SIGTERM: how long running calls may finish."""
+    orphan_grace_seconds: float = 30.0
+    """A running step whose trainer disconnected is cancelled after this long without a
+    trainer re-attaching (the SDK re-attaches within seconds on retryable errors)."""
     default_policy: str = "queue"
     """Scheduling policy of steps that name none: static | queue | longest-first."""
     limits: Limits = Limits()

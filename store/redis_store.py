@@ -37,7 +37,7 @@ from .types import (
     unique_prompt_keys,
 )
 
-__all__ = ["RedisStore", "draft_key", "length_key"]
+__all__ = ["RedisStore", "draft_key", "length_key", "redis_client"]
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +171,11 @@ class RedisStore:
     def _skip_corrupt(self, what: str, prompt_key: str, exc: Exception) -> None:
         self._stats.record_corrupt()
         logger.warning("draft store: skipped corrupt %s of prompt %s: %s", what, prompt_key, exc)
+
+
+def redis_client(settings: StoreSettings) -> Redis:
+    """A ``redis.asyncio`` client with the store's timeouts, password and TLS settings."""
+    return Redis.from_url(settings.url, **_client_options(settings))
 
 
 def _client_options(settings: StoreSettings) -> dict[str, Any]:

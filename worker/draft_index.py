@@ -8,8 +8,9 @@ and ``sibling`` (the other samples of the same prompt, read live from the batch)
 
 1. **Aligned**: a candidate whose prefix equals everything generated so far proposes its
    next tokens.
-2. **Resync**: otherwise the last ``match_len`` generated tokens are searched in every
-   candidate; the occurrence nearest to the current position proposes what follows it.
+2. **Resync**: otherwise the longest suffix (up to ``match_len`` tokens) of what was
+   generated that occurs in a candidate is found; the occurrence nearest to the current
+   position proposes what follows it.
 3. A cursor ``(candidate, position)`` remembers the match; as long as newly generated tokens
    keep agreeing with the candidate it advances without searching again.
 
@@ -162,10 +163,15 @@ class RequestDrafter:
                 if len(cand.tokens) > g and np.array_equal(cand.tokens[:g], generated):
                     return idx, g
             self._aligned = False
-        m = min(self.match_len, g)
-        if m == 0:
-            return None
-        tail = generated[g - m :]
+        for m in range(min(self.match_len, g), 0, -1):  # longest generated suffix that matches
+            best = self._nearest(generated[g - m:], g)
+            if best is not None:
+                return best
+        return None
+
+    def _nearest(self, tail: np.ndarray, g: int) -> tuple[int, int] | None:
+        """(candidate, position after ``tail``) of the occurrence nearest position ``g``."""
+        m = len(tail)
         best: tuple[int, int, int] | None = None  # (distance, idx, position after match)
         for idx, cand in enumerate(self.candidates):
             tokens = cand.tokens

@@ -184,7 +184,7 @@ class TrainSettings:
     """Transformer layers."""
     max_len: int = 1024
     """Longest prompt + response the model is built for (vLLM's max_model_len)."""
-    batch_tokens: int = 6144
+    batch_tokens: int = 3072
     """Padded tokens per batch (sequences of similar length are batched together)."""
     lr: float = 3e-3
     """Peak AdamW learning rate (linear warm-up, cosine decay to 10%)."""
@@ -192,8 +192,8 @@ class TrainSettings:
     """Steps of linear learning-rate warm-up."""
     weight_decay: float = 0.01
     """AdamW weight decay."""
-    threads: int = 2
-    """torch CPU threads while training."""
+    threads: int = 1
+    """torch CPU threads while training (one is fastest on a busy two-core machine)."""
     pool_size: int = 4096
     """Fresh problems generated per data epoch (each epoch draws new ones)."""
     log_every: int = 50
@@ -307,7 +307,7 @@ def train_rlvr_model(
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
-            losses.append(float(loss))
+            losses.append(loss.item())
             if s.log_every and (step + 1) % s.log_every == 0:
                 recent = losses[-s.log_every:]
                 log(f"step {step + 1}/{s.steps} loss {sum(recent) / len(recent):.4f} "
@@ -318,3 +318,110 @@ def train_rlvr_model(
     return {"path": str(path), "seed": seed, "seconds": time.monotonic() - started,
             "final_loss": sum(tail) / len(tail), "settings": asdict(s), "task": asdict(task),
             "parameters": sum(p.numel() for p in model.parameters())}
+
+
+# -------------------------------------------------------------------------------- measurement
+
+
+def token_entropy(logits):
+    """Entropy in nats of the softmax of ``logits`` along the last axis (a torch tensor)."""
+    import torch
+
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def _load(model):
+    """A model object as is, or a model directory loaded for CPU inference."""
+    if not isinstance(model, (str, Path)):
+        return model
+    import torch
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+
+
+def _by_length(prompts: Sequence[str], batch_size: int) -> list[list[int]]:
+    """Prompt indices in batches of similar prompt length (a proxy for response length)."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def sample_responses(model, prompts: Sequence[str], *, temperature: float = 1.0, seed: int = 0,
+                     max_new_tokens: int | None = None, batch_size: int = 32,
+                     threads: int | None = 1) -> list[list[int]]:
+    """Response token ids for each prompt (ending with EOS unless cut at ``max_new_tokens``),
+    sampled from the full distribution at ``temperature`` (0 = greedy), with transformers."""
+    import torch
+
+    model = _load(model)
+    limit = model.config.max_position_embeddings
+    out: list[list[int]] = [[] for _ in prompts]
+    with _TorchContext(threads), torch.no_grad():
+        torch.manual_seed(seed)
+        for batch in _by_length(prompts, batch_size):
+            ids = [encode(prompts[i]) for i in batch]
+            width = max(map(len, ids))
+            x = torch.tensor([[0] * (width - len(p)) + p for p in ids])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids])
+            sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 \
+                else dict(do_sample=False)
+            gen = model.generate(input_ids=x, attention_mask=mask, max_new_tokens=min(max_new_tokens or limit,
+                                 limit - width), eos_token_id=EOS_ID, pad_token_id=0, **sampling)
+            for row, i in zip(gen[:, width:].tolist(), batch):
+                out[i] = row[:row.index(EOS_ID) + 1] if EOS_ID in row else row
+    return out
+
+
+def _entropies(model, prompts: Sequence[str], responses: Sequence[Sequence[int]], batch_size: int) -> list[float]:
+    """Entropy of the policy at every response position (teacher forcing), all sequences."""
+    import torch
+
+    values: list[float] = []
+    for batch in _by_length(prompts, batch_size):
+        seqs = [(encode(prompts[i]), list(responses[i])) for i in batch if responses[i]]
+        if not seqs:
+            continue
+        ids, mask, labels = _collate(seqs)
+        ent = token_entropy(model(input_ids=ids, attention_mask=mask).logits[:, :-1])
+        keep = labels[:, 1:] != -100
+        values.extend(ent[keep].tolist())
+    return values
+
+
+def mean_token_entropy(model, prompts: Sequence[str], responses: Sequence[Sequence[int]] | None = None, *,
+                       seed: int = 0, batch_size: int = 32, threads: int | None = 1) -> float:
+    """Mean entropy (nats) of the policy's next-token distribution over response tokens.
+
+    ``responses`` (token ids) default to samples at temperature 1 from the policy itself, the
+    quantity that governs speculative acceptance in RL rollouts; pass targets to measure the
+    entropy along the reference answers instead."""
+    import torch
+
+    model = _load(model)
+    if responses is None:
+        responses = sample_responses(model, prompts, temperature=1.0, seed=seed, batch_size=batch_size,
+                                     threads=threads)
+    with _TorchContext(threads), torch.no_grad():
+        values = _entropies(model, prompts, responses, batch_size)
+    return sum(values) / max(1, len(values))
+
+
+def evaluate(model, prompts: Sequence[str], *, temperature: float = 0.0, seed: int = 0,
+             batch_size: int = 32, threads: int | None = 1) -> dict:
+    """Accuracy (overall and by term count), response lengths and stop rate of the policy."""
+    model = _load(model)
+    responses = sample_responses(model, prompts, temperature=temperature, seed=seed, batch_size=batch_size,
+                                 threads=threads)
+    rewards = [reward(p, decode(r)) for p, r in zip(prompts, responses)]
+    buckets: dict[str, list[float]] = {"2-4": [], "5-9": [], "10+": []}
+    for p, r in zip(prompts, rewards):
+        k = len(parse_prompt(p))
+        buckets["2-4" if k <= 4 else "5-9" if k <= 9 else "10+"].append(r)
+    return {
+        "accuracy": sum(rewards) / len(rewards),
+        "accuracy_by_terms": {k: (sum(v) / len(v), len(v)) for k, v in buckets.items() if v},
+        "stopped": sum(bool(r) and r[-1] == EOS_ID for r in responses) / len(responses),
+        "lengths": length_stats([len(r) for r in responses]),
+        "responses": responses,
+    }

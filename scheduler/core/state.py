@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import statistics
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from bubblespec.client.types import Completion, Provenance, SamplingParams, SchedulingPolicy, StepSummary
@@ -127,6 +127,8 @@ class SchedulerCore:
         if self.limits is not None and hello.limits != self.limits:
             raise InvalidRequest("hello", f"model limits {hello.limits} differ from the cluster's {self.limits}", "FAILED_PRECONDITION")
         self.limits = hello.limits
+        if not self.weights_path and not self.workers and not self.steps:
+            self.version = hello.policy_version  # a fresh scheduler adopts what workers run
         w = WorkerState(hello, hello.policy_version, now, now, state_since=now)
         self.workers[hello.worker_id] = w
         actions: list[Action] = []
@@ -181,16 +183,22 @@ class SchedulerCore:
             raise InvalidRequest("policy_version", f"{spec.policy_version} is not the current policy version {self.version}", "FAILED_PRECONDITION")
         return None
 
-    def submit_step(self, spec: StepSpec) -> list[Action]:
+    def submit_step(self, spec: StepSpec, done: Mapping[str, Completion] | None = None) -> list[Action]:
+        """Queue a step's requests. ``done``: completions an earlier scheduler already delivered
+        (restart from the journal); those requests are not run again."""
         if self.check_step(spec) is not None:
             return []  # resume: nothing new to schedule
         now = self.clock()
         self._flush_time(now)
         reqs = {r.key: RequestState(r) for r in _expand(spec)}
-        order = list(reqs)
+        step = StepState(spec, reqs, deque(), now)
+        for key, completion in (done or {}).items():
+            if key in reqs:
+                reqs[key].done = True
+                step.completions[key] = completion
+        order = [k for k in reqs if not reqs[k].done]
         if spec.policy is SchedulingPolicy.LONGEST_FIRST:
             order.sort(key=lambda k: -self.lengths.get(reqs[k].spec.prompt_token_ids, 0.0))
-        step = StepState(spec, reqs, deque(), now)
         self.steps[spec.step_id] = step
         live = [w for w in self.workers.values() if w.load_failed is None]
         if spec.policy is SchedulingPolicy.STATIC and live:
@@ -203,12 +211,19 @@ class SchedulerCore:
         for ids in spec.lookahead:
             self.planner.announce(ids, spec.sampling, "", self.lengths.get(ids, 0.0))
         self._trim_steps()
+        if len(step.completions) == len(reqs):
+            return self._finish(step)
         return self._fill_all()
 
     def announce(self, prompts: list[tuple[int, ...]], sampling: SamplingParams) -> int:
         for ids in prompts:
             self.planner.announce(ids, sampling, "", self.lengths.get(ids, 0.0))
         return len(prompts)
+
+    def forget_history(self) -> None:
+        """Drop length history and announced prompts (benchmarks compare arms from scratch)."""
+        self.lengths.clear()
+        self.planner = DraftPlanner()
 
     def cancel_step(self, step_id: str) -> list[Action]:
         step = self.steps.get(step_id)

@@ -20,11 +20,9 @@ import pytest
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
-from bubblespec.cli.commands import Cluster
+from bubblespec.cli.commands import Cluster  # noqa: F401 (type of Ran.cluster)
 from bubblespec.client import AsyncRolloutClient, SamplingParams, StepResult
-from bubblespec.scheduler.settings import SchedulerSettings
-from bubblespec.worker.engine import EngineSettings
-from bubblespec.worker.tiny_model import build_tiny_model, perturb_weights
+from bubblespec.worker.tiny_model import perturb_weights
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(1200)]
 
@@ -53,28 +51,25 @@ class Ran:
     cluster: Cluster
     steps: list[StepResult]
     started_wall: float
+    version: int
+    before: dict  # scheduler metric samples before the two steps (the cluster is shared)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def ran():
-    """Start the cluster once for the module and run two real steps through the SDK."""
-    with tempfile.TemporaryDirectory(prefix="bubblespec-metrics-") as tmp:
-        model = str(build_tiny_model(Path(tmp) / "tiny"))
-        engine = EngineSettings(model=model, max_model_len=512, max_num_seqs=16, num_speculative_tokens=4,
-                                kv_cache_memory_bytes=128 * 2**20)
-        cluster = Cluster(SchedulerSettings(host="127.0.0.1", grpc_port=0, http_port=0), engine, workers=2)
-        started = time.time()
-        try:
-            await asyncio.wait_for(cluster.start(), timeout=600)
-            async with AsyncRolloutClient(cluster.target) as client:
-                first = await asyncio.wait_for(
-                    client.generate("metrics-1", PROMPTS, GREEDY, policy_version=0, lookahead=LOOKAHEAD), 300)
-                weights = perturb_weights(model, Path(tmp) / "v1", scale=0.002, seed=1)
-                await asyncio.wait_for(client.update_policy(1, str(weights)), 300)
-                second = await asyncio.wait_for(client.generate("metrics-2", PROMPTS, GREEDY, policy_version=1), 300)
-            yield Ran(cluster, [first, second], started)
-        finally:
-            await cluster.stop()
+async def ran(cluster, client, tiny_model, tmp_path_factory):
+    """Two real steps through the SDK on the session cluster (the second after a policy update)."""
+    started = time.time()
+    v = cluster.scheduler.core.version
+    _, before = parse((await http_get(f"http://127.0.0.1:{cluster.scheduler.http_port}/metrics"))[2])
+    first = await asyncio.wait_for(
+        client.generate("metrics-1", PROMPTS, GREEDY, policy_version=v, lookahead=LOOKAHEAD), 300)
+    weights = perturb_weights(tiny_model, tmp_path_factory.mktemp("metrics") / "v1", scale=0.002, seed=1)
+    try:
+        await asyncio.wait_for(client.update_policy(v + 1, str(weights)), 300)
+        second = await asyncio.wait_for(client.generate("metrics-2", PROMPTS, GREEDY, policy_version=v + 1), 300)
+        yield Ran(cluster, [first, second], started, v + 1, before)
+    finally:
+        await client.update_policy(cluster.scheduler.core.version + 1, tiny_model)
 
 
 async def http_get(url: str) -> tuple[int, str, bytes]:
@@ -105,35 +100,39 @@ async def test_scheduler_metrics_after_real_steps(ran):
     def value(name: str, **labels) -> float:
         return samples[(name, tuple(sorted(labels.items())))]
 
+    def delta(name: str, **labels) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return samples[key] - ran.before.get(key, 0.0)
+
     comps = [c for r in ran.steps for c in r.completions]
-    assert value("bubblespec_completions_total") == len(comps) == 2 * len(PROMPTS)
-    assert value("bubblespec_generated_tokens_total") == sum(len(c.token_ids) for c in comps) > 0
-    assert value("bubblespec_forward_passes_total") == sum(c.provenance.forward_passes for c in comps) > 0
-    assert value("bubblespec_step_makespan_seconds_count") == 2
-    assert value("bubblespec_step_makespan_seconds_sum") == pytest.approx(
+    assert delta("bubblespec_completions_total") == len(comps) == 2 * len(PROMPTS)
+    assert delta("bubblespec_generated_tokens_total") == sum(len(c.token_ids) for c in comps) > 0
+    assert delta("bubblespec_forward_passes_total") == sum(c.provenance.forward_passes for c in comps) > 0
+    assert delta("bubblespec_step_makespan_seconds_count") == 2
+    assert delta("bubblespec_step_makespan_seconds_sum") == pytest.approx(
         sum(r.summary.makespan_seconds for r in ran.steps))
-    assert value("bubblespec_weight_load_seconds_count") == 2  # one load per worker
+    assert delta("bubblespec_weight_load_seconds_count") == 2  # one load per worker
     assert value("bubblespec_workers_live") == 2
     assert value("bubblespec_step_running") == 0
     assert value("bubblespec_requests_waiting") == value("bubblespec_requests_running") == 0
     assert ran.started_wall <= value("bubblespec_last_progress_timestamp_seconds") <= time.time()
     assert value("bubblespec_grpc_requests_total", method="bubblespec.v1.Rollout/Generate", code="OK") >= 2
-    assert value("bubblespec_grpc_requests_total", method="bubblespec.v1.Rollout/UpdatePolicy", code="OK") == 1
+    assert value("bubblespec_grpc_requests_total", method="bubblespec.v1.Rollout/UpdatePolicy", code="OK") >= 1
 
     # speculation by source: step 2 verifies step 1's responses (history drafts) under v1
     drafted = {s.source: s.drafted_tokens for s in ran.steps[1].summary.provenance.sources}
     assert drafted.get("history", 0) > 0
     for source in drafted:
         expected = sum(r.summary.provenance.drafted(source) for r in ran.steps)
-        assert value("bubblespec_spec_draft_tokens_total", source=source) == expected
+        assert delta("bubblespec_spec_draft_tokens_total", source=source) == expected
         accepted = sum(r.summary.provenance.accepted(source) for r in ran.steps)
-        assert value("bubblespec_spec_accepted_tokens_total", source=source) == accepted
+        assert delta("bubblespec_spec_accepted_tokens_total", source=source) == accepted
     prov = ran.steps[1].summary.provenance
     assert value("bubblespec_spec_acceptance_ratio") == pytest.approx(prov.accepted() / prov.drafted())
 
     # per-worker series
     for worker in ("worker-0", "worker-1"):
-        assert value("bubblespec_policy_version", worker=worker) == 1
+        assert value("bubblespec_policy_version", worker=worker) == ran.version
         assert value("bubblespec_worker_busy_seconds_total", worker=worker) > 0
         assert value("bubblespec_worker_idle_seconds_total", worker=worker) >= 0
         assert value("bubblespec_worker_drafting_seconds_total", worker=worker) >= 0
@@ -158,7 +157,7 @@ async def test_worker_metrics(ran):
     families, samples = parse(body)
     assert set(WORKER_REQUIRED) <= family_names(families)
     assert samples[("bubblespec_worker_info", (("worker", "worker-0"),))] == 1
-    assert samples[("bubblespec_worker_policy_version", ())] == 1
+    assert samples[("bubblespec_worker_policy_version", ())] == ran.version
     assert samples[("bubblespec_worker_connected", ())] == 1
     assert samples[("bubblespec_draft_store_up", ())] == 1
     ops = samples[("bubblespec_draft_store_ops_total", ())]
