@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("make-tiny-model", help="write the tiny Llama test model and tokenizer")
     tiny.add_argument("dir")
     tiny.add_argument("--seed", type=int, default=0)
+    from bubblespec.cli.loadtest import add_parser as add_loadtest_parser
+
+    add_loadtest_parser(sub, _add)
     return parser
 
 
@@ -105,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
 
         print(build_tiny_model(args.dir, seed=args.seed))
         return 0
+    if args.command == "loadtest":
+        from bubblespec.cli.loadtest import loadtest
+
+        return loadtest(args)
     from bubblespec.cli import commands
 
     return getattr(commands, args.command.replace("-", "_"))(args) or 0

@@ -45,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-sigma", type=float, default=0.6,
                    help="log-space spread of a sample (and a draft) around its prompt's scale")
     p.add_argument("--accept-future", type=float, default=0.7, help="per-token acceptance of future drafts")
+    p.add_argument("--train-seconds", type=float, default=0.0,
+                   help="simulated time between steps (reward + training); drafts stop at step end")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -83,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     workload = Workload(lengths=LengthModel(median_tokens=args.median_tokens, max_tokens=args.max_tokens,
                                             prompt_sigma=args.prompt_sigma, sample_sigma=args.sample_sigma))
     acceptance = replace(AcceptanceModel(), future=args.accept_future)
-    settings = SimSettings(capacity=args.capacity, samples=args.samples)
+    settings = SimSettings(capacity=args.capacity, samples=args.samples, train_seconds=args.train_seconds)
     print(f"profile {profile.name} ({profile.source}); {args.requests} requests/step, {args.samples} samples/prompt, "
           f"capacity {args.capacity}, {args.steps} steps, seed {args.seed}", flush=True)
     rows = []

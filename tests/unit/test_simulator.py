@@ -215,6 +215,12 @@ def test_drafting_lowers_forward_passes_per_token() -> None:
     assert p.accepted("future") > 0 and p.drafted("future") >= p.accepted("future")
 
 
+def test_time_between_steps_passes_without_losing_workers() -> None:
+    r = run("queue", True, settings=SimSettings(capacity=8, samples=4, train_seconds=45.0))
+    assert [s.delivered for s in r.steps] == [512, 512]
+    assert r.steps[1].summary.requests_requeued == 0  # no worker was declared dead in the gap
+
+
 def test_finished_siblings_serve_as_history_drafts() -> None:
     first = run("queue", True, steps=1).steps[0]
     assert first.with_history_draft > 0

@@ -1,0 +1,703 @@
+"""``bubblespec loadtest``: the real scheduler and real Redis under N simulated-engine workers.
+
+What runs (docs/LOAD.md has the how-to and a measured run):
+
+- ``redis-server`` on a free local port (unless ``--redis-url`` names one, or ``memory``
+  asks for none): the scheduler's step journal and the workers' draft store live there;
+- the scheduler in a child process (``python -m bubblespec.cli.loadtest --scheduler-child``):
+  the real ``Scheduler`` (gRPC, HTTP, metrics, ticks, journal), alone in its process so that
+  /proc/<pid> gives its own memory and CPU;
+- N ``WorkerAgent``s in this process, each driving a ``SimulatedEngine`` (no model) and
+  dialing the scheduler over loopback gRPC like any worker;
+- the trainer: ``AsyncRolloutClient`` runs S steps, each ``UpdatePolicy`` (the barrier every
+  worker passes; on by default) then ``Generate(prompts x samples, lookahead = next step's
+  prompts)``. Every step has fresh prompts, as an epoch over a large data set has.
+
+Measured per step:
+
+- completions per second: completions of the step / wall time from sending ``Generate`` to
+  receiving the step summary (policy update excluded);
+- dispatch latency, per request: from the moment the request became dispatchable on a worker
+  until its ``Assignment`` reached that worker's agent. Dispatchable means: the trainer sent
+  ``Generate`` (requests that fit the workers' free slots, "first wave"), or, for a request
+  that waited for a slot, the worker sent the completion that freed the slot ("refill": the
+  worker -> scheduler -> worker round trip). Both ends are read on one clock (this process);
+- scheduler memory: VmRSS of the scheduler process after the step, and its peak sampled
+  every 0.25 s during the step; scheduler CPU seconds in the step.
+
+The memory verdict compares the median RSS of the last five steps with the median of steps
+3-7: "flat" when it grew by at most max(4 MiB, 3 %), else "grows". Finished steps are kept by
+the scheduler for resume (``CoreSettings.keep_steps``, 32 in the service); the load test keeps
+``--keep-steps`` (default 2) so that a 20-step run reaches its steady state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+__all__ = ["LoadSettings", "add_parser", "loadtest", "memory_verdict", "percentile", "run_loadtest"]
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    """One load-test run."""
+
+    workers: int = 64
+    """Simulated-engine workers (agents in this process, each with its own gRPC stream)."""
+    steps: int = 20
+    """Rollout steps."""
+    prompts: int = 512
+    """Prompts per step (fresh ones every step)."""
+    samples: int = 4
+    """Samples per prompt (sampling.n)."""
+    capacity: int = 8
+    """Requests each simulated engine runs at once (max_num_seqs, reported to the scheduler)."""
+    prompt_tokens: int = 32
+    """Mean prompt length in tokens (uniform in [prompt_tokens/2, 3*prompt_tokens/2])."""
+    max_tokens: int = 256
+    """max_tokens of every request."""
+    median_tokens: int = 48
+    """Median simulated response length (log-normal; EOS ends it)."""
+    step_seconds: float = 0.02
+    """Simulated engine step with one request running."""
+    batch_slope_seconds: float = 0.0005
+    """Extra simulated step time per further running request."""
+    keep_steps: int = 2
+    """Finished steps the scheduler keeps for resume (the service default is 32)."""
+    policy: str = "queue"
+    """Scheduling policy of every step: static | queue | longest-first."""
+    update_policy: bool = True
+    """Push a new policy version (UpdatePolicy barrier) before every step."""
+    redis_url: str = ""
+    """Redis for the scheduler journal and the workers' drafts ('' = start redis-server on a free
+    port, or the in-process memory store if none is installed; 'memory' = no Redis)."""
+    seed: int = 0
+    """Seed of the prompts and of the sampling seeds."""
+
+
+# ----------------------------------------------------------------------------- statistics --
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100) with linear interpolation; nan for no values."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def memory_verdict(rss_mib: list[float], abs_tolerance_mib: float = 4.0, rel_tolerance: float = 0.03) -> dict:
+    """Whether RSS after each step grows: median of the last 5 steps vs median of steps 3-7."""
+    if len(rss_mib) < 10:
+        return {"verdict": "n/a (needs >= 10 steps)", "growth_mib": math.nan, "slope_mib_per_step": math.nan}
+    base = statistics.median(rss_mib[2:7])
+    tail = statistics.median(rss_mib[-5:])
+    xs = list(range(2, len(rss_mib)))
+    ys = rss_mib[2:]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    allowed = max(abs_tolerance_mib, rel_tolerance * base)
+    return {"verdict": "flat" if tail - base <= allowed else "grows", "baseline_mib": base, "tail_mib": tail,
+            "growth_mib": tail - base, "allowed_mib": allowed, "slope_mib_per_step": slope}
+
+
+# ------------------------------------------------------------------------------ processes --
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _RedisProcess:
+    """A throwaway redis-server without persistence on a free local port."""
+
+    def __init__(self) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix="bubblespec-loadtest-redis-")
+        self._proc: subprocess.Popen | None = None
+        self.url = ""
+
+    def start(self) -> str:
+        port = _free_port()
+        self._proc = subprocess.Popen(
+            ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+             "--dir", self._dir.name, "--daemonize", "no"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self._proc.returncode}")
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as conn:
+                    conn.sendall(b"PING\r\n")
+                    if conn.recv(16).startswith(b"+PONG"):
+                        self.url = f"redis://127.0.0.1:{port}/0"
+                        return self.url
+            except OSError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError("redis-server did not answer PING within 10 s")
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(5)
+        self._proc = None
+        self._dir.cleanup()
+
+
+class _SchedulerProcess:
+    """The real scheduler in a child process; reads its memory and CPU from /proc."""
+
+    def __init__(self, redis_url: str, keep_steps: int) -> None:
+        self.config = {"redis_url": redis_url, "keep_steps": keep_steps}
+        self._log = tempfile.NamedTemporaryFile(prefix="bubblespec-loadtest-scheduler-", suffix=".log", delete=False)
+        self.proc: subprocess.Popen | None = None
+        self.grpc_port = 0
+        self.http_port = 0
+
+    async def start(self, timeout: float = 60.0) -> None:
+        cmd = [sys.executable, "-m", "bubblespec.cli.loadtest", "--scheduler-child", json.dumps(self.config)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._log)
+        try:
+            line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), timeout)
+        except TimeoutError:
+            line = b""
+        self.proc.stdout.close()
+        if not line:
+            self.stop()
+            raise RuntimeError(f"the scheduler did not start:\n{self.log_tail()}")
+        ports = json.loads(line)
+        self.grpc_port, self.http_port = ports["grpc_port"], ports["http_port"]
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def rss_mib(self) -> float:
+        return self._status_kib("VmRSS") / 1024
+
+    def peak_rss_mib(self) -> float:
+        return self._status_kib("VmHWM") / 1024
+
+    def _status_kib(self, name: str) -> float:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith(name + ":"):
+                return float(line.split()[1])
+        return math.nan
+
+    def cpu_seconds(self) -> float:
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+    def log_tail(self, lines: int = 30) -> str:
+        text = Path(self._log.name).read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # graceful: health NOT_SERVING, drain, stop
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._log.close()
+
+
+async def _serve_child(config: dict) -> None:
+    """Body of the scheduler child: the real Scheduler, its ports on stdout, SIGTERM to stop."""
+    from bubblespec.scheduler.core.state import CoreSettings
+    from bubblespec.scheduler.server import Scheduler
+    from bubblespec.scheduler.settings import SchedulerSettings
+
+    settings = SchedulerSettings(host="127.0.0.1", grpc_port=0, http_port=0, redis_url=config["redis_url"],
+                                 core=CoreSettings(keep_steps=config["keep_steps"]))
+    scheduler = Scheduler(settings)
+    await scheduler.start()
+    print(json.dumps({"grpc_port": scheduler.grpc_port, "http_port": scheduler.http_port}), flush=True)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await scheduler.stop(grace=5.0)
+
+
+# ------------------------------------------------------------------------ instrumentation --
+
+
+class DispatchProbe:
+    """Dispatch latency as the workers see it: free slots (FIFO per worker) vs assignments."""
+
+    def __init__(self) -> None:
+        self.free: dict[str, deque[tuple[float, bool]]] = {}
+        self.first: list[float] = []
+        self.refill: list[float] = []
+        self.unmatched = 0
+        self.completions_sent = 0
+
+    def step_started(self, now: float, capacities: dict[str, int]) -> None:
+        """Every slot of every worker is free (the previous step has ended) from ``now`` on."""
+        self.free = {wid: deque([(now, True)] * cap) for wid, cap in capacities.items()}
+        self.first, self.refill = [], []
+        self.unmatched = self.completions_sent = 0
+
+    def slot_freed(self, worker_id: str, now: float) -> None:
+        self.free.setdefault(worker_id, deque()).append((now, False))
+        self.completions_sent += 1
+
+    def assigned(self, worker_id: str, now: float) -> None:
+        slots = self.free.get(worker_id)
+        if not slots:
+            self.unmatched += 1
+            return
+        since, first = slots.popleft()
+        (self.first if first else self.refill).append(now - since)
+
+
+def _timed_agent_class():
+    from bubblespec.worker.agent import WorkerAgent
+
+    class TimedAgent(WorkerAgent):
+        """A WorkerAgent that stamps when assignments arrive and when completions leave."""
+
+        def __init__(self, settings, engine, store, probe: DispatchProbe):
+            super().__init__(settings, engine, store)
+            self.probe = probe
+
+        async def _handle(self, msg) -> None:
+            if msg.WhichOneof("kind") == "assign":
+                self.probe.assigned(self.worker_id, time.monotonic())
+            await super()._handle(msg)
+
+        def _send(self, **kind) -> None:
+            if "completion" in kind:
+                self.probe.slot_freed(self.worker_id, time.monotonic())
+            super()._send(**kind)
+
+    return TimedAgent
+
+
+class _Sampler:
+    """Background sampling: scheduler RSS peak and this process's event-loop lag."""
+
+    def __init__(self, scheduler: _SchedulerProcess) -> None:
+        self.scheduler = scheduler
+        self.rss_peak = 0.0
+        self.lags: list[float] = []
+        self._task: asyncio.Task | None = None
+
+    def reset(self) -> None:
+        self.rss_peak = self.scheduler.rss_mib()
+        self.lags = []
+
+    async def _run(self, period: float = 0.05) -> None:
+        ticks = 0
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(period)
+            self.lags.append(time.monotonic() - before - period)
+            ticks += 1
+            if ticks % 5 == 0:
+                self.rss_peak = max(self.rss_peak, self.scheduler.rss_mib())
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+
+# -------------------------------------------------------------------------------- results --
+
+
+@dataclass
+class StepRecord:
+    step: int
+    completions: int
+    worker_completions_sent: int
+    duplicates: int
+    missing: int
+    seconds: float
+    completions_per_second: float
+    makespan_seconds: float
+    policy_update_seconds: float
+    dispatch_p50_ms: float
+    dispatch_p99_ms: float
+    first_wave_p99_ms: float
+    refill_p50_ms: float
+    refill_p99_ms: float
+    unmatched_assignments: int
+    scheduler_rss_mib: float
+    scheduler_rss_peak_mib: float
+    scheduler_cpu_share: float
+    harness_cpu_share: float
+    loop_lag_p99_ms: float
+    generated_tokens: int
+
+
+@dataclass
+class LoadResult:
+    settings: dict
+    redis: str
+    steps: list[StepRecord] = field(default_factory=list)
+    summary: dict = field(default_factory=dict)
+
+
+def _step_prompts(settings: LoadSettings, step: int):
+    from bubblespec.client import Prompt
+
+    rng = random.Random(f"{settings.seed}/{step}")
+    lo, hi = max(1, settings.prompt_tokens // 2), max(1, 3 * settings.prompt_tokens // 2)
+    return [Prompt(f"p{i}", token_ids=tuple(rng.randrange(3, 32000) for _ in range(rng.randint(lo, hi))))
+            for i in range(settings.prompts)]
+
+
+def _collector_class():
+    from bubblespec.client._base import StepCollector
+
+    class CountingCollector(StepCollector):
+        """The SDK's collector, also counting completion messages as they came on the wire."""
+
+        raw = 0
+
+        def add(self, msg):
+            if msg.WhichOneof("event") == "completion":
+                self.raw += 1
+            return super().add(msg)
+
+    return CountingCollector
+
+
+# ------------------------------------------------------------------------------- the run --
+
+
+class _Harness:
+    """Redis, the scheduler process, the simulated workers and the trainer client."""
+
+    def __init__(self, settings: LoadSettings) -> None:
+        self.settings = settings
+        self.redis: _RedisProcess | None = None
+        self.redis_url = ""
+        self.scheduler: _SchedulerProcess | None = None
+        self.store = None
+        self.probe = DispatchProbe()
+        self.agents: list = []
+        self.engines: list = []
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        from bubblespec.store import StoreSettings, open_store
+
+        s = self.settings
+        if s.redis_url == "memory" or (not s.redis_url and shutil.which("redis-server") is None):
+            self.redis_url = ""
+        elif s.redis_url:
+            self.redis_url = s.redis_url
+        else:
+            self.redis = _RedisProcess()
+            self.redis_url = self.redis.start()
+        self.scheduler = _SchedulerProcess(self.redis_url, s.keep_steps)
+        await self.scheduler.start()
+        self.store = open_store(StoreSettings(url=self.redis_url), resilient=True)
+        await self._start_workers()
+
+    async def _start_workers(self) -> None:
+        from bubblespec.worker.agent import WorkerSettings
+        from bubblespec.worker.engine import EngineSettings
+        from bubblespec.worker.sim_engine import SimEngineSettings, SimulatedEngine
+
+        s = self.settings
+        max_len = s.max_tokens + 2 * s.prompt_tokens + 8
+        sim = SimEngineSettings(step_seconds=s.step_seconds, batch_slope_seconds=s.batch_slope_seconds,
+                                max_model_len=max_len, max_num_seqs=s.capacity, median_tokens=s.median_tokens)
+        agent_cls = _timed_agent_class()
+        for i in range(s.workers):
+            engine = SimulatedEngine(_replace(sim, seed=s.seed * 1000 + i))
+            await engine.start()
+            ws = WorkerSettings(scheduler=self.scheduler.target, worker_id=f"sim-{i}",
+                                engine=EngineSettings(model="simulated", max_model_len=max_len, max_num_seqs=s.capacity))
+            agent = agent_cls(ws, engine, self.store, self.probe)
+            self.engines.append(engine)
+            self.agents.append(agent)
+            self._tasks.append(asyncio.create_task(agent.run()))
+
+    async def wait_for_workers(self, client, timeout: float = 120.0) -> int:
+        deadline = time.monotonic() + timeout
+        while True:
+            status = await client.status()
+            if len(status["workers"]) >= self.settings.workers:
+                return int(status["policy_version"])
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {len(status['workers'])} of {self.settings.workers} workers connected")
+            await asyncio.sleep(0.2)
+
+    async def stop(self) -> None:
+        for agent in self.agents:
+            await agent.stop()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for engine in self.engines:
+            await engine.shutdown()
+        if self.store is not None:
+            await self.store.close()
+        if self.scheduler is not None:
+            await asyncio.to_thread(self.scheduler.stop)
+        if self.redis is not None:
+            self.redis.stop()
+
+
+def _replace(obj, **changes):
+    from dataclasses import replace
+
+    return replace(obj, **changes)
+
+
+async def _run_step(h: _Harness, client, step: int, version: int, sampler: _Sampler, run_id: str) -> StepRecord:
+    from bubblespec.client import SamplingParams, SchedulingPolicy
+    from bubblespec.client._base import make_generate_request
+
+    s = h.settings
+    update_seconds = 0.0
+    if s.update_policy:
+        started = time.monotonic()
+        await client.update_policy(version, f"/simulated/weights/v{version}")
+        update_seconds = time.monotonic() - started
+    prompts, ahead = _step_prompts(s, step), _step_prompts(s, step + 1) if step + 1 < s.steps else []
+    sampling = SamplingParams(temperature=1.0, max_tokens=s.max_tokens, seed=s.seed * 100_000 + step * s.samples)
+    policy = SchedulingPolicy(s.policy)
+    step_id = f"{run_id}-s{step}"
+    request = make_generate_request(step_id, version, prompts, sampling, s.samples, ahead, policy)
+    collector = _collector_class()(request)
+    sampler.reset()
+    cpu0, own0 = h.scheduler.cpu_seconds(), time.process_time()
+    started = time.monotonic()
+    h.probe.step_started(started, {a.worker_id: s.capacity for a in h.agents})
+    async for _ in client.stream(step_id, prompts, sampling, policy_version=version, n=s.samples,
+                                 lookahead=ahead, policy=policy, _collector=collector):
+        pass
+    seconds = time.monotonic() - started
+    cpu, own = h.scheduler.cpu_seconds() - cpu0, time.process_time() - own0
+    return _record(h, step, collector, seconds, update_seconds, cpu, own, sampler)
+
+
+def _record(h: _Harness, step: int, collector, seconds: float, update_seconds: float, cpu: float, own: float,
+            sampler: _Sampler) -> StepRecord:
+    s, probe = h.settings, h.probe
+    expected = {(f"p{i}", k) for i in range(s.prompts) for k in range(s.samples)}
+    got = set(collector.completions)
+    ms = [1000 * x for x in probe.first + probe.refill]
+    summary = collector.summary
+    return StepRecord(
+        step=step + 1, completions=len(got & expected), worker_completions_sent=probe.completions_sent,
+        duplicates=collector.raw - len(collector.completions),
+        missing=len(expected - got) + len(got - expected), seconds=seconds,
+        completions_per_second=len(got) / seconds, makespan_seconds=summary.makespan_seconds,
+        policy_update_seconds=update_seconds,
+        dispatch_p50_ms=percentile(ms, 50), dispatch_p99_ms=percentile(ms, 99),
+        first_wave_p99_ms=percentile([1000 * x for x in probe.first], 99),
+        refill_p50_ms=percentile([1000 * x for x in probe.refill], 50),
+        refill_p99_ms=percentile([1000 * x for x in probe.refill], 99),
+        unmatched_assignments=probe.unmatched,
+        scheduler_rss_mib=h.scheduler.rss_mib(), scheduler_rss_peak_mib=sampler.rss_peak,
+        scheduler_cpu_share=cpu / seconds, harness_cpu_share=own / seconds,
+        loop_lag_p99_ms=1000 * percentile(sampler.lags, 99), generated_tokens=summary.generated_tokens)
+
+
+async def run_loadtest(settings: LoadSettings, on_step=None) -> LoadResult:
+    """Run the load test; ``on_step(record)`` is called as each step ends."""
+    from bubblespec.client import AsyncRolloutClient
+
+    h = _Harness(settings)
+    result = LoadResult(asdict(settings), "")
+    sampler: _Sampler | None = None
+    try:
+        await h.start()
+        result.redis = h.redis_url or "memory (no Redis)"
+        async with AsyncRolloutClient(h.scheduler.target) as client:
+            version = await h.wait_for_workers(client)
+            sampler = _Sampler(h.scheduler)
+            sampler.start()
+            run_id = f"lt{os.getpid():x}{random.getrandbits(16):04x}"
+            started = time.monotonic()
+            for step in range(settings.steps):
+                if settings.update_policy:
+                    version += 1
+                record = await _run_step(h, client, step, version, sampler, run_id)
+                result.steps.append(record)
+                if on_step is not None:
+                    on_step(record)
+            result.summary = await _summarize(h, result.steps, time.monotonic() - started)
+    finally:
+        if sampler is not None:
+            await sampler.stop()
+        await h.stop()
+    return result
+
+
+async def _summarize(h: _Harness, steps: list[StepRecord], total_seconds: float) -> dict:
+    completions = sum(r.completions for r in steps)
+    gen_seconds = sum(r.seconds for r in steps)
+    rss = [r.scheduler_rss_mib for r in steps]
+    out = {
+        "completions": completions, "duplicates": sum(r.duplicates for r in steps),
+        "missing": sum(r.missing for r in steps), "generate_seconds": gen_seconds,
+        "total_seconds": total_seconds, "completions_per_second": completions / gen_seconds,
+        "dispatch_p50_ms_median_of_steps": statistics.median(r.dispatch_p50_ms for r in steps),
+        "dispatch_p99_ms_median_of_steps": statistics.median(r.dispatch_p99_ms for r in steps),
+        "dispatch_p99_ms_max_of_steps": max(r.dispatch_p99_ms for r in steps),
+        "scheduler_rss_mib_first": rss[0], "scheduler_rss_mib_last": rss[-1],
+        "scheduler_peak_rss_mib": h.scheduler.peak_rss_mib(),
+        "memory": memory_verdict(rss),
+        "worker_store": _store_stats(h.store),
+        "metrics_completions_total": await asyncio.to_thread(_scrape_completions, h.scheduler.http_port),
+    }
+    if h.redis_url:
+        out["redis"] = await _redis_info(h.redis_url)
+    return out
+
+
+def _store_stats(store) -> dict:
+    inner = getattr(store, "inner", store)
+    st = inner.stats
+    return {"ops": st.ops, "errors": st.errors, "mean_op_ms": 1000 * st.op_seconds_sum / max(1, st.ops)}
+
+
+def _scrape_completions(http_port: int) -> float:
+    from urllib.request import urlopen
+
+    with urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("bubblespec_completions_total "):
+                return float(line.split()[1])
+    return math.nan
+
+
+async def _redis_info(url: str) -> dict:
+    from redis.asyncio import Redis
+
+    r = Redis.from_url(url)
+    try:
+        info = await r.info("memory")
+        return {"keys": await r.dbsize(), "used_memory_mib": info["used_memory"] / MIB}
+    finally:
+        await r.aclose()
+
+
+# ------------------------------------------------------------------------------- printing --
+
+_COLUMNS = (  # (field, title, width, format)
+    ("step", "step", 4, "d"), ("completions", "compl", 6, "d"), ("seconds", "secs", 6, ".2f"),
+    ("completions_per_second", "compl/s", 8, ".1f"), ("dispatch_p50_ms", "disp p50 ms", 11, ".2f"),
+    ("dispatch_p99_ms", "disp p99 ms", 11, ".2f"), ("refill_p99_ms", "refill p99", 10, ".2f"),
+    ("scheduler_rss_mib", "sched RSS MiB", 13, ".1f"), ("scheduler_cpu_share", "sched CPU", 9, ".0%"),
+    ("harness_cpu_share", "harness CPU", 11, ".0%"), ("loop_lag_p99_ms", "lag p99 ms", 10, ".1f"),
+)
+
+
+def table_header() -> str:
+    return "  ".join(f"{title:>{width}}" for _, title, width, _ in _COLUMNS)
+
+
+def table_row(r: StepRecord) -> str:
+    row = "  ".join(f"{getattr(r, name):>{width}{fmt}}" for name, _, width, fmt in _COLUMNS)
+    flags = [f"{r.duplicates} dup" if r.duplicates else "", f"{r.missing} missing" if r.missing else ""]
+    return row + "".join(f"  !{f}" for f in flags if f)
+
+
+def summary_text(result: LoadResult) -> str:
+    s, m = result.summary, result.summary["memory"]
+    lines = [
+        f"completions: {s['completions']} delivered, {s['duplicates']} duplicates, {s['missing']} missing or unexpected"
+        f" (scheduler's bubblespec_completions_total: {s['metrics_completions_total']:.0f})",
+        f"throughput: {s['completions_per_second']:.1f} completions/s through the scheduler "
+        f"({s['generate_seconds']:.1f} s of Generate, {s['total_seconds']:.1f} s with policy updates)",
+        f"dispatch latency: p50 {s['dispatch_p50_ms_median_of_steps']:.2f} ms, p99 "
+        f"{s['dispatch_p99_ms_median_of_steps']:.2f} ms (median over steps; worst step p99 "
+        f"{s['dispatch_p99_ms_max_of_steps']:.2f} ms)",
+        f"scheduler memory: RSS {s['scheduler_rss_mib_first']:.1f} MiB after step 1, "
+        f"{s['scheduler_rss_mib_last']:.1f} MiB after the last, peak {s['scheduler_peak_rss_mib']:.1f} MiB; "
+        f"verdict: {m['verdict']}"
+        + (f" (last-5 median {m['growth_mib']:+.1f} MiB vs steps 3-7, allowed {m['allowed_mib']:.1f}; "
+           f"slope {m['slope_mib_per_step']:+.2f} MiB/step)" if "allowed_mib" in m else ""),
+        f"worker draft store ({result.redis}): {s['worker_store']['ops']} ops, {s['worker_store']['errors']} errors, "
+        f"mean {s['worker_store']['mean_op_ms']:.2f} ms",
+    ]
+    if "redis" in s:
+        lines.append(f"redis at the end: {s['redis']['keys']} keys, {s['redis']['used_memory_mib']:.1f} MiB")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------ CLI --
+
+
+def add_parser(sub, add) -> None:
+    """Register ``loadtest`` on the ``bubblespec`` subparsers; ``add`` is cli.main's flag helper
+    (every flag also reads ``BUBBLESPEC_<FLAG>``)."""
+    p = sub.add_parser("loadtest", help="load test: real scheduler + Redis under N simulated-engine workers")
+    d = LoadSettings()
+    for name, help in (("workers", "simulated-engine workers"), ("steps", "rollout steps"),
+                       ("prompts", "prompts per step"), ("samples", "samples per prompt"),
+                       ("capacity", "concurrent requests per simulated engine"),
+                       ("prompt-tokens", "mean prompt length"), ("max-tokens", "max_tokens per request"),
+                       ("median-tokens", "median simulated response length"),
+                       ("step-seconds", "simulated engine step with one request running"),
+                       ("batch-slope-seconds", "extra simulated step time per further running request"),
+                       ("keep-steps", "finished steps the scheduler keeps (service default: 32)"),
+                       ("policy", "scheduling policy: static | queue | longest-first"),
+                       ("update-policy", "push a new policy version before every step"),
+                       ("redis-url", "Redis URL ('' = own redis-server if installed, 'memory' = none)"),
+                       ("seed", "seed of prompts and sampling")):
+        add(p, name, getattr(d, name.replace("-", "_")), help)
+    add(p, "json", "", "also write the results as JSON to this path")
+
+
+def loadtest(a: argparse.Namespace) -> int:
+    """``bubblespec loadtest``: run, print the table and the summary; exit 1 on lost or duplicate completions."""
+    names = LoadSettings.__dataclass_fields__
+    settings = LoadSettings(**{k: v for k, v in vars(a).items() if k in names})
+    print(f"load test: {settings.workers} simulated-engine workers x capacity {settings.capacity}, "
+          f"{settings.steps} steps x {settings.prompts} prompts x {settings.samples} samples", flush=True)
+    print(table_header(), flush=True)
+    result = asyncio.run(run_loadtest(settings, on_step=lambda r: print(table_row(r), flush=True)))
+    print(summary_text(result), flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(asdict(result), indent=2, default=float))
+    return 1 if result.summary["duplicates"] or result.summary["missing"] else 0
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--scheduler-child"]:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_serve_child(json.loads(sys.argv[2])))
