@@ -89,8 +89,14 @@ class LoadSettings:
     redis_url: str = ""
     """Redis for the scheduler journal and the workers' drafts ('' = start redis-server on a free
     port, or the in-process memory store if none is installed; 'memory' = no Redis)."""
+    worker_store: str = "redis"
+    """Workers' draft store: 'redis' (the Redis above, one client per worker, as deployed) or
+    'memory' (one in-process store per worker: keeps this process's CPU for the agents)."""
     seed: int = 0
     """Seed of the prompts and of the sampling seeds."""
+    trace_memory: bool = False
+    """Run tracemalloc in the scheduler and report its largest allocation sites at the end
+    (diagnosis only: it slows the scheduler down)."""
 
 
 # ----------------------------------------------------------------------------- statistics --
@@ -176,8 +182,10 @@ class _RedisProcess:
 class _SchedulerProcess:
     """The real scheduler in a child process; reads its memory and CPU from /proc."""
 
-    def __init__(self, redis_url: str, keep_steps: int) -> None:
-        self.config = {"redis_url": redis_url, "keep_steps": keep_steps}
+    def __init__(self, redis_url: str, keep_steps: int, trace_memory: bool = False) -> None:
+        self._trace = tempfile.NamedTemporaryFile(prefix="bubblespec-loadtest-trace-", suffix=".txt", delete=False)
+        self.config = {"redis_url": redis_url, "keep_steps": keep_steps,
+                       "trace_file": self._trace.name if trace_memory else ""}
         self._log = tempfile.NamedTemporaryFile(prefix="bubblespec-loadtest-scheduler-", suffix=".log", delete=False)
         self.proc: subprocess.Popen | None = None
         self.grpc_port = 0
@@ -217,6 +225,10 @@ class _SchedulerProcess:
         fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
+    def memory_trace(self) -> str:
+        """tracemalloc's top allocation sites, written by the child when it stopped."""
+        return Path(self._trace.name).read_text() if self.config["trace_file"] else ""
+
     def log_tail(self, lines: int = 30) -> str:
         text = Path(self._log.name).read_text(errors="replace").splitlines()
         return "\n".join(text[-lines:])
@@ -230,6 +242,7 @@ class _SchedulerProcess:
                 self.proc.kill()
                 self.proc.wait(5)
         self._log.close()
+        self._trace.close()
 
 
 async def _serve_child(config: dict) -> None:
@@ -247,7 +260,23 @@ async def _serve_child(config: dict) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
+    if config["trace_file"]:
+        _write_trace(config["trace_file"])
     await scheduler.stop(grace=5.0)
+
+
+def _write_trace(path: str, top: int = 25) -> None:
+    import gc
+    import tracemalloc
+
+    gc.collect()
+    snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
+    stats = snapshot.statistics("lineno")
+    total = sum(s.size for s in stats)
+    lines = [f"traced Python memory: {total / MIB:.1f} MiB in {sum(s.count for s in stats)} blocks"]
+    lines += [f"{s.size / MIB:8.2f} MiB {s.count:9d} blocks  {s.traceback[0].filename}:{s.traceback[0].lineno}"
+              for s in stats[:top]]
+    Path(path).write_text("\n".join(lines) + "\n")
 
 
 # ------------------------------------------------------------------------ instrumentation --
@@ -409,11 +438,13 @@ class _Harness:
         self.redis: _RedisProcess | None = None
         self.redis_url = ""
         self.scheduler: _SchedulerProcess | None = None
-        self.store = None
+        self.stores: list = []
         self.probe = DispatchProbe()
         self.agents: list = []
         self.engines: list = []
         self._tasks: list[asyncio.Task] = []
+        self.memory_trace = ""
+        self.latencies: dict[str, list[float]] = {"first": [], "refill": []}  # seconds, all steps
 
     async def start(self) -> None:
         from bubblespec.store import StoreSettings, open_store
@@ -426,12 +457,15 @@ class _Harness:
         else:
             self.redis = _RedisProcess()
             self.redis_url = self.redis.start()
-        self.scheduler = _SchedulerProcess(self.redis_url, s.keep_steps)
+        self.scheduler = _SchedulerProcess(self.redis_url, s.keep_steps, s.trace_memory)
         await self.scheduler.start()
-        self.store = open_store(StoreSettings(url=self.redis_url), resilient=True)
-        await self._start_workers()
+        if s.worker_store not in ("redis", "memory"):
+            raise ValueError(f"worker_store must be 'redis' or 'memory', got {s.worker_store!r}")
+        url = self.redis_url if s.worker_store == "redis" else ""
+        await self._start_workers(lambda: open_store(StoreSettings(url=url), resilient=True))
 
-    async def _start_workers(self) -> None:
+    async def _start_workers(self, open_store) -> None:
+        """One simulated engine, agent and draft store (own Redis pool, as deployed) per worker."""
         from bubblespec.worker.agent import WorkerSettings
         from bubblespec.worker.engine import EngineSettings
         from bubblespec.worker.sim_engine import SimEngineSettings, SimulatedEngine
@@ -446,7 +480,8 @@ class _Harness:
             await engine.start()
             ws = WorkerSettings(scheduler=self.scheduler.target, worker_id=f"sim-{i}",
                                 engine=EngineSettings(model="simulated", max_model_len=max_len, max_num_seqs=s.capacity))
-            agent = agent_cls(ws, engine, self.store, self.probe)
+            self.stores.append(open_store())
+            agent = agent_cls(ws, engine, self.stores[-1], self.probe)
             self.engines.append(engine)
             self.agents.append(agent)
             self._tasks.append(asyncio.create_task(agent.run()))
@@ -469,10 +504,11 @@ class _Harness:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for engine in self.engines:
             await engine.shutdown()
-        if self.store is not None:
-            await self.store.close()
+        for store in self.stores:
+            await store.close()
         if self.scheduler is not None:
             await asyncio.to_thread(self.scheduler.stop)
+            self.memory_trace = self.scheduler.memory_trace()
         if self.redis is not None:
             self.redis.stop()
 
@@ -514,6 +550,8 @@ async def _run_step(h: _Harness, client, step: int, version: int, sampler: _Samp
 def _record(h: _Harness, step: int, collector, seconds: float, update_seconds: float, cpu: float, own: float,
             sampler: _Sampler) -> StepRecord:
     s, probe = h.settings, h.probe
+    h.latencies["first"] += probe.first
+    h.latencies["refill"] += probe.refill
     expected = {(f"p{i}", k) for i in range(s.prompts) for k in range(s.samples)}
     got = set(collector.completions)
     ms = [1000 * x for x in probe.first + probe.refill]
@@ -562,6 +600,8 @@ async def run_loadtest(settings: LoadSettings, on_step=None) -> LoadResult:
         if sampler is not None:
             await sampler.stop()
         await h.stop()
+    if h.memory_trace:
+        result.summary["scheduler_memory_trace"] = h.memory_trace
     return result
 
 
@@ -573,13 +613,15 @@ async def _summarize(h: _Harness, steps: list[StepRecord], total_seconds: float)
         "completions": completions, "duplicates": sum(r.duplicates for r in steps),
         "missing": sum(r.missing for r in steps), "generate_seconds": gen_seconds,
         "total_seconds": total_seconds, "completions_per_second": completions / gen_seconds,
+        "scheduler_cpu_ms_per_completion": 1000 * sum(r.scheduler_cpu_share * r.seconds for r in steps) / completions,
+        **_pooled_latencies(h.latencies),
         "dispatch_p50_ms_median_of_steps": statistics.median(r.dispatch_p50_ms for r in steps),
         "dispatch_p99_ms_median_of_steps": statistics.median(r.dispatch_p99_ms for r in steps),
         "dispatch_p99_ms_max_of_steps": max(r.dispatch_p99_ms for r in steps),
         "scheduler_rss_mib_first": rss[0], "scheduler_rss_mib_last": rss[-1],
         "scheduler_peak_rss_mib": h.scheduler.peak_rss_mib(),
         "memory": memory_verdict(rss),
-        "worker_store": _store_stats(h.store),
+        "worker_store": _store_stats(h.stores),
         "metrics_completions_total": await asyncio.to_thread(_scrape_completions, h.scheduler.http_port),
     }
     if h.redis_url:
@@ -587,10 +629,31 @@ async def _summarize(h: _Harness, steps: list[StepRecord], total_seconds: float)
     return out
 
 
-def _store_stats(store) -> dict:
-    inner = getattr(store, "inner", store)
-    st = inner.stats
-    return {"ops": st.ops, "errors": st.errors, "mean_op_ms": 1000 * st.op_seconds_sum / max(1, st.ops)}
+def _pooled_latencies(lat: dict[str, list[float]]) -> dict:
+    """Dispatch latency percentiles over every request of every step (ms)."""
+    out = {}
+    for name, values in (("dispatch", lat["first"] + lat["refill"]), ("first_wave", lat["first"]),
+                         ("refill", lat["refill"])):
+        ms = [1000 * v for v in values]
+        out.update({f"{name}_p50_ms": percentile(ms, 50), f"{name}_p99_ms": percentile(ms, 99), f"{name}_n": len(ms)})
+    return out
+
+
+def _finite(value):
+    """``value`` with NaN floats replaced by None (strict JSON)."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _store_stats(stores: list) -> dict:
+    stats = [getattr(store, "inner", store).stats for store in stores]
+    ops, seconds = sum(st.ops for st in stats), sum(st.op_seconds_sum for st in stats)
+    return {"ops": ops, "errors": sum(st.errors for st in stats), "mean_op_ms": 1000 * seconds / max(1, ops)}
 
 
 def _scrape_completions(http_port: int) -> float:
@@ -641,20 +704,24 @@ def summary_text(result: LoadResult) -> str:
         f"completions: {s['completions']} delivered, {s['duplicates']} duplicates, {s['missing']} missing or unexpected"
         f" (scheduler's bubblespec_completions_total: {s['metrics_completions_total']:.0f})",
         f"throughput: {s['completions_per_second']:.1f} completions/s through the scheduler "
-        f"({s['generate_seconds']:.1f} s of Generate, {s['total_seconds']:.1f} s with policy updates)",
-        f"dispatch latency: p50 {s['dispatch_p50_ms_median_of_steps']:.2f} ms, p99 "
-        f"{s['dispatch_p99_ms_median_of_steps']:.2f} ms (median over steps; worst step p99 "
-        f"{s['dispatch_p99_ms_max_of_steps']:.2f} ms)",
+        f"({s['generate_seconds']:.1f} s of Generate, {s['total_seconds']:.1f} s with policy updates); "
+        f"scheduler CPU {s['scheduler_cpu_ms_per_completion']:.2f} ms per completion",
+        f"dispatch latency over all {s['dispatch_n']} requests: p50 {s['dispatch_p50_ms']:.2f} ms, "
+        f"p99 {s['dispatch_p99_ms']:.2f} ms (first wave, {s['first_wave_n']}: p50 {s['first_wave_p50_ms']:.2f} / "
+        f"p99 {s['first_wave_p99_ms']:.2f} ms; refills, {s['refill_n']}: p50 {s['refill_p50_ms']:.2f} / "
+        f"p99 {s['refill_p99_ms']:.2f} ms); worst step p99 {s['dispatch_p99_ms_max_of_steps']:.2f} ms",
         f"scheduler memory: RSS {s['scheduler_rss_mib_first']:.1f} MiB after step 1, "
         f"{s['scheduler_rss_mib_last']:.1f} MiB after the last, peak {s['scheduler_peak_rss_mib']:.1f} MiB; "
         f"verdict: {m['verdict']}"
         + (f" (last-5 median {m['growth_mib']:+.1f} MiB vs steps 3-7, allowed {m['allowed_mib']:.1f}; "
            f"slope {m['slope_mib_per_step']:+.2f} MiB/step)" if "allowed_mib" in m else ""),
-        f"worker draft store ({result.redis}): {s['worker_store']['ops']} ops, {s['worker_store']['errors']} errors, "
+        f"worker draft stores ({result.settings['worker_store']}): {s['worker_store']['ops']} ops, {s['worker_store']['errors']} errors, "
         f"mean {s['worker_store']['mean_op_ms']:.2f} ms",
     ]
     if "redis" in s:
         lines.append(f"redis at the end: {s['redis']['keys']} keys, {s['redis']['used_memory_mib']:.1f} MiB")
+    if "scheduler_memory_trace" in s:
+        lines.append("scheduler allocation sites at the end (tracemalloc):\n" + s["scheduler_memory_trace"])
     return "\n".join(lines)
 
 
@@ -677,7 +744,9 @@ def add_parser(sub, add) -> None:
                        ("policy", "scheduling policy: static | queue | longest-first"),
                        ("update-policy", "push a new policy version before every step"),
                        ("redis-url", "Redis URL ('' = own redis-server if installed, 'memory' = none)"),
-                       ("seed", "seed of prompts and sampling")):
+                       ("worker-store", "workers' draft store: redis | memory"),
+                       ("seed", "seed of prompts and sampling"),
+                       ("trace-memory", "tracemalloc in the scheduler; print its top allocation sites (slow)")):
         add(p, name, getattr(d, name.replace("-", "_")), help)
     add(p, "json", "", "also write the results as JSON to this path")
 
@@ -692,12 +761,16 @@ def loadtest(a: argparse.Namespace) -> int:
     result = asyncio.run(run_loadtest(settings, on_step=lambda r: print(table_row(r), flush=True)))
     print(summary_text(result), flush=True)
     if a.json:
-        Path(a.json).write_text(json.dumps(asdict(result), indent=2, default=float))
+        Path(a.json).write_text(json.dumps(_finite(asdict(result)), indent=2))
     return 1 if result.summary["duplicates"] or result.summary["missing"] else 0
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--scheduler-child"]:
     import logging
+    import tracemalloc
+
+    if json.loads(sys.argv[2])["trace_file"]:
+        tracemalloc.start()
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(_serve_child(json.loads(sys.argv[2])))

@@ -1,12 +1,15 @@
-"""Bearer-token authentication: trainers and workers hold separate tokens.
+"""Gate of the gRPC port: bearer-token authentication, and refusal of undecodable requests.
 
-Health checks and reflection stay open (probes carry no token). A call to the trainer API
-with the worker token, or the reverse, is refused: roles do not mix.
+Trainers and workers hold separate tokens. Health checks and reflection stay open (probes
+carry no token). A call to the trainer API with the worker token, or the reverse, is refused:
+roles do not mix. Bytes that do not parse as the method's request message are answered
+INVALID_ARGUMENT naming ``request`` (grpc's default would be UNKNOWN and an error traceback).
 """
 
 from __future__ import annotations
 
 import hmac
+import inspect
 
 import grpc
 
@@ -16,7 +19,7 @@ _TRAINER_PREFIX = "/bubblespec.v1.Rollout/"
 _WORKER_PREFIX = "/bubblespec.v1.WorkerLink/"
 
 
-def _deny(code: grpc.StatusCode, message: str, handler: grpc.RpcMethodHandler):
+def _deny(code: grpc.StatusCode, message: str, handler: grpc.RpcMethodHandler | None):
     async def unary(request, context):
         await context.abort(code, message)
 
@@ -24,6 +27,8 @@ def _deny(code: grpc.StatusCode, message: str, handler: grpc.RpcMethodHandler):
         await context.abort(code, message)
         yield  # pragma: no cover
 
+    if handler is None:  # no such method: refuse before telling what exists
+        return grpc.unary_unary_rpc_method_handler(unary)
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(streaming)
     if handler.response_streaming:
@@ -39,13 +44,70 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         method = details.method
+        ours = method.startswith(tuple(self.tokens))
         expected = next((tok for prefix, tok in self.tokens.items() if method.startswith(prefix)), None)
-        if not expected:  # health, reflection, or authentication off for this role
-            return await continuation(details)
-        sent = dict(details.invocation_metadata or ()).get("authorization", "")
         handler = await continuation(details)
-        if not sent.startswith("Bearer "):
-            return _deny(grpc.StatusCode.UNAUTHENTICATED, "authorization: missing bearer token", handler)
-        if not hmac.compare_digest(sent[7:].encode(), expected.encode()):
-            return _deny(grpc.StatusCode.PERMISSION_DENIED, "authorization: token not valid for this API", handler)
+        if expected:
+            sent = dict(details.invocation_metadata or ()).get("authorization", "")
+            if not sent.startswith("Bearer "):
+                return _deny(grpc.StatusCode.UNAUTHENTICATED, "authorization: missing bearer token", handler)
+            if not hmac.compare_digest(sent[7:].encode(), expected.encode()):
+                return _deny(grpc.StatusCode.PERMISSION_DENIED, "authorization: token not valid for this API", handler)
+        return _refuse_undecodable(handler) if ours else handler
+
+
+# ------------------------------------------------------------ undecodable bytes --
+
+
+class _Undecodable:
+    """Stands in for a request whose bytes did not parse."""
+
+    def __init__(self, exc: Exception):
+        self.reason = str(exc) or type(exc).__name__
+
+
+def _tolerant(deserializer):
+    def parse(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as exc:  # DecodeError, and whatever a broken deserializer raises
+            return _Undecodable(exc)
+
+    return parse
+
+
+async def _refuse(context, bad: _Undecodable) -> None:
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid protobuf message ({bad.reason})")
+
+
+async def _checked_stream(requests, context):
+    async for request in requests:
+        if isinstance(request, _Undecodable):
+            await _refuse(context, request)
+        yield request
+
+
+def _refuse_undecodable(handler: grpc.RpcMethodHandler | None):
+    """Parse requests tolerantly; answer INVALID_ARGUMENT when the bytes are not a message."""
+    if handler is None or handler.request_deserializer is None:
         return handler
+    kind = (("stream_" if handler.request_streaming else "unary_")
+            + ("stream" if handler.response_streaming else "unary"))
+    behavior = getattr(handler, kind)
+
+    async def check(request, context):
+        if handler.request_streaming:
+            return _checked_stream(request, context)
+        if isinstance(request, _Undecodable):
+            await _refuse(context, request)
+        return request
+
+    if inspect.isasyncgenfunction(behavior):
+        async def wrapped(request, context):
+            async for item in behavior(await check(request, context), context):
+                yield item
+    else:
+        async def wrapped(request, context):
+            return await behavior(await check(request, context), context)
+
+    return handler._replace(request_deserializer=_tolerant(handler.request_deserializer), **{kind: wrapped})

@@ -113,13 +113,15 @@ class Scheduler:
         return self._server is not None and not self.service.draining and bool(self.core.workers)
 
     async def stop(self, grace: float | None = None) -> None:
-        """Health NOT_SERVING, drain running steps, then stop the servers."""
+        """Health NOT_SERVING, drain running steps, then stop the servers (idempotent)."""
+        if self._server is None:
+            return
         grace = self.settings.drain_seconds if grace is None else grace
         for name in ("", *SERVICES):
             await _set_health(self.health, name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.service.drain(grace)
-        if self._server is not None:
-            await self._server.stop(min(grace, 5.0))
+        server, self._server = self._server, None
+        await server.stop(min(grace, 5.0))
         if self._http is not None:
             self._http.should_exit = True
         for task in self._tasks:

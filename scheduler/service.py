@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -214,18 +215,29 @@ class SchedulerService:
         core = self.core
         kind = msg.WhichOneof("kind")
         if kind == "heartbeat":
-            core.heartbeat(worker_id, msg.heartbeat.tokens_per_second)
+            tps = msg.heartbeat.tokens_per_second
+            if not math.isfinite(tps) or tps < 0:
+                raise InvalidRequest("heartbeat.tokens_per_second", f"must be a finite number >= 0, got {tps}")
+            core.heartbeat(worker_id, tps)
             return
         core.touch(worker_id)
+        if kind in ("progress", "completion", "aborted") and not _holds(core, worker_id, getattr(msg, kind).request_key):
+            logger.info("worker %s: ignored %s: %s.request_key %.80r is not running on this worker",
+                        worker_id, kind, kind, getattr(msg, kind).request_key)  # stale (moved, cancelled) or forged
+            return
         if kind == "progress":
             core.on_progress(worker_id, msg.progress.request_key, msg.progress.generated_tokens)
         elif kind == "completion":
-            c = cv.completion_from_pb(msg.completion.completion)
+            c = _checked_completion(msg.completion, core.limits)
             self.execute(core.on_completion(worker_id, msg.completion.request_key, _stamp(c, worker_id)))
         elif kind == "aborted":
             self.execute(core.on_aborted(worker_id, msg.aborted.request_key))
         elif kind == "policy_loaded":
             m = msg.policy_loaded
+            w = core.workers.get(worker_id)
+            if w is None or w.loading != m.version:  # the core ignores it (the listeners still see it)
+                logger.warning("worker %s sent a bad message: policy_loaded.version: %d was not asked of it",
+                               worker_id, m.version)
             if not m.ok:
                 logger.error("worker %s failed to load version %d: %s", worker_id, m.version, m.error)
             for listener in self.load_listeners:
@@ -258,3 +270,23 @@ def _stamp(c: Completion, worker_id: str) -> Completion:
     from dataclasses import replace
 
     return replace(c, worker_id=worker_id)
+
+
+def _holds(core: SchedulerCore, worker_id: str, key: str) -> bool:
+    """Whether ``key`` is an unfinished request of an active step, running on ``worker_id``."""
+    step = core.steps.get(key.split("/", 1)[0])
+    req = step.requests.get(key) if step is not None else None
+    return req is not None and step.active and not req.done and req.worker == worker_id
+
+
+def _checked_completion(msg: pb.WorkerCompletion, limits) -> Completion:
+    """A worker's completion, refused when it names another request or leaves the vocabulary."""
+    c = cv.completion_from_pb(msg.completion)
+    if request_key(c.step_id, c.prompt_id, c.sample_index) != msg.request_key:
+        raise InvalidRequest("completion.completion", f"is for {c.step_id!r:.40}/{c.prompt_id!r:.40}/{c.sample_index}, "
+                             f"not for its request_key {msg.request_key!r:.80}")
+    vocab = limits.vocab_size if limits is not None else 0
+    bad = next((t for t in c.token_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidRequest("completion.completion.token_ids", f"{bad} is outside the vocabulary [0, {vocab})")
+    return c

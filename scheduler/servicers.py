@@ -12,7 +12,7 @@ from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.api.v1 import rollout_pb2_grpc as pbg
 from bubblespec.client import _convert as cv
 from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits, WorkerHello
-from bubblespec.scheduler.core.validate import Limits, build_step, check_sampling, prompt_tokens
+from bubblespec.scheduler.core.validate import Limits, build_step, check_id, check_sampling, prompt_tokens
 from bubblespec.scheduler.service import SchedulerService
 
 __all__ = ["RolloutServicer", "WorkerLinkServicer"]
@@ -98,8 +98,7 @@ class WorkerLinkServicer(pbg.WorkerLinkServicer):
             if first is None or first.WhichOneof("kind") != "hello":
                 raise InvalidRequest("hello", "the first worker message must be hello")
             h = first.hello
-            if not h.worker_id:
-                raise InvalidRequest("hello.worker_id", "is empty")
+            check_id(h.worker_id, "hello.worker_id")
             link = self.service.attach_worker(WorkerHello(
                 h.worker_id, h.capacity, h.policy_version, ModelLimits(h.max_model_len, h.vocab_size), h.speculation))
         except InvalidRequest as exc:
@@ -120,8 +119,8 @@ class WorkerLinkServicer(pbg.WorkerLinkServicer):
                     self.service.on_worker_message(worker_id, msg)
                 except InvalidRequest as exc:
                     logger.warning("worker %s sent a bad message: %s", worker_id, exc)
-        except (grpc.RpcError, asyncio.CancelledError):
-            pass
+        except (grpc.RpcError, grpc.aio.AbortError, asyncio.CancelledError):
+            pass  # AbortError: undecodable bytes, already answered INVALID_ARGUMENT (auth.py)
         finally:
             link.close()
 

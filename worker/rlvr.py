@@ -24,6 +24,7 @@ Torch and transformers are imported inside the functions that need them: the tas
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import random
@@ -182,6 +183,9 @@ class TrainSettings:
     """Model width (a multiple of 64: heads are 64 wide)."""
     num_layers: int = 3
     """Transformer layers."""
+    head_dim: int = 32
+    """Attention head width: hidden_size / head_dim heads per layer (build_tiny_model's 64-wide
+    heads give a 128-wide model only two, which learns the label lookup much more slowly)."""
     max_len: int = 1024
     """Longest prompt + response the model is built for (vLLM's max_model_len)."""
     batch_tokens: int = 3072
@@ -266,6 +270,17 @@ class _TorchContext:
         torch.use_deterministic_algorithms(self._saved[1])
 
 
+def _set_head_dim(path: Path, head_dim: int) -> None:
+    """Re-split the attention projections into ``hidden / head_dim`` heads (same weight shapes)."""
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text())
+    if config["hidden_size"] % head_dim:
+        raise ValueError(f"hidden_size {config['hidden_size']} is not a multiple of head_dim {head_dim}")
+    heads = config["hidden_size"] // head_dim
+    config.update(head_dim=head_dim, num_attention_heads=heads, num_key_value_heads=heads)
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def train_rlvr_model(
     path: str | Path,
     seed: int = 0,
@@ -290,6 +305,7 @@ def train_rlvr_model(
     path = Path(path)
     build_tiny_model(path, seed=seed, hidden_size=s.hidden_size, num_layers=s.num_layers,
                      max_len=s.max_len, init_scale=0.02)
+    _set_head_dim(path, s.head_dim)
     started = time.monotonic()
     with _TorchContext(s.threads):
         torch.manual_seed(seed)

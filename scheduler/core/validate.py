@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from bubblespec.client.types import Prompt, SamplingParams, SchedulingPolicy
 from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits, PromptSpec, StepSpec
 
-__all__ = ["Limits", "build_step", "check_sampling", "prompt_tokens"]
+__all__ = ["Limits", "build_step", "check_id", "check_sampling", "prompt_tokens"]
 
 _ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 Tokenize = Callable[[str], tuple[int, ...]]
@@ -31,31 +31,42 @@ class Limits:
     max_stop_strings: int = 16
 
 
-def _check_id(value: str, field: str) -> None:
+def check_id(value: str, field: str) -> None:
+    """Ids (step, prompt, worker) are 1-128 characters of [A-Za-z0-9._:-]: no "/", no paths."""
     if not isinstance(value, str) or not _ID.match(value):
         raise InvalidRequest(field, f"must be 1-128 characters of [A-Za-z0-9._:-], got {value!r:.80}")
 
 
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return _is_int(x) or isinstance(x, float)
+
+
 def check_sampling(sp: SamplingParams, limits: Limits, model: ModelLimits) -> None:
-    if not isinstance(sp.n, int) or not 1 <= sp.n <= limits.max_samples:
-        raise InvalidRequest("sampling.n", f"must be between 1 and {limits.max_samples}, got {sp.n}")
-    if not math.isfinite(sp.temperature) or sp.temperature < 0:
-        raise InvalidRequest("sampling.temperature", f"must be a finite number >= 0, got {sp.temperature}")
-    if not math.isfinite(sp.top_p) or not 0 < sp.top_p <= 1:
-        raise InvalidRequest("sampling.top_p", f"must be in (0, 1], got {sp.top_p}")
-    if sp.top_k == 0 or sp.top_k < -1:
-        raise InvalidRequest("sampling.top_k", f"must be -1 (off) or >= 1, got {sp.top_k}")
-    if not 1 <= sp.max_tokens < model.max_model_len:
+    if not _is_int(sp.n) or not 1 <= sp.n <= limits.max_samples:
+        raise InvalidRequest("sampling.n", f"must be between 1 and {limits.max_samples}, got {sp.n!r:.40}")
+    if not _is_real(sp.temperature) or not math.isfinite(sp.temperature) or sp.temperature < 0:
+        raise InvalidRequest("sampling.temperature", f"must be a finite number >= 0, got {sp.temperature!r:.40}")
+    if not _is_real(sp.top_p) or not math.isfinite(sp.top_p) or not 0 < sp.top_p <= 1:
+        raise InvalidRequest("sampling.top_p", f"must be in (0, 1], got {sp.top_p!r:.40}")
+    if not _is_int(sp.top_k) or sp.top_k == 0 or sp.top_k < -1:
+        raise InvalidRequest("sampling.top_k", f"must be -1 (off) or >= 1, got {sp.top_k!r:.40}")
+    if not _is_int(sp.max_tokens) or not 1 <= sp.max_tokens < model.max_model_len:
         raise InvalidRequest(
-            "sampling.max_tokens", f"must be between 1 and {model.max_model_len - 1} (model length), got {sp.max_tokens}"
+            "sampling.max_tokens",
+            f"must be between 1 and {model.max_model_len - 1} (model length), got {sp.max_tokens!r:.40}",
         )
-    if len(sp.stop) > limits.max_stop_strings or any(not s for s in sp.stop):
+    if len(sp.stop) > limits.max_stop_strings or any(not isinstance(s, str) or not s for s in sp.stop):
         raise InvalidRequest("sampling.stop", f"at most {limits.max_stop_strings} non-empty strings")
     for i, tok in enumerate(sp.stop_token_ids):
-        if not 0 <= tok < model.vocab_size:
-            raise InvalidRequest(f"sampling.stop_token_ids[{i}]", f"{tok} is outside the vocabulary [0, {model.vocab_size})")
-    if sp.seed is not None and not 0 <= sp.seed < 2**62:
-        raise InvalidRequest("sampling.seed", f"must be in [0, 2**62), got {sp.seed}")
+        if not _is_int(tok) or not 0 <= tok < model.vocab_size:
+            raise InvalidRequest(f"sampling.stop_token_ids[{i}]",
+                                 f"{tok!r:.40} is outside the vocabulary [0, {model.vocab_size})")
+    if sp.seed is not None and (not _is_int(sp.seed) or not 0 <= sp.seed < 2**62):
+        raise InvalidRequest("sampling.seed", f"must be in [0, 2**62), got {sp.seed!r:.40}")
 
 
 def prompt_tokens(p: Prompt, field: str, model: ModelLimits, tokenize: Tokenize | None) -> tuple[int, ...]:
@@ -65,11 +76,15 @@ def prompt_tokens(p: Prompt, field: str, model: ModelLimits, tokenize: Tokenize 
         if tokenize is None:
             raise InvalidRequest(f"{field}.text", "the scheduler has no tokenizer configured; send token_ids")
         ids = tuple(tokenize(p.text))
+        bad = next((t for t in ids if not _is_int(t) or not 0 <= t < model.vocab_size), None)
+        if bad is not None:  # a tokenizer that does not match the workers' model
+            raise InvalidRequest(f"{field}.text", f"tokenizes to {bad!r:.40}, outside the vocabulary [0, {model.vocab_size})")
     else:
         ids = tuple(p.token_ids)  # type: ignore[arg-type]
         for j, tok in enumerate(ids):
-            if not isinstance(tok, int) or not 0 <= tok < model.vocab_size:
-                raise InvalidRequest(f"{field}.token_ids[{j}]", f"{tok} is outside the vocabulary [0, {model.vocab_size})")
+            if not _is_int(tok) or not 0 <= tok < model.vocab_size:
+                raise InvalidRequest(f"{field}.token_ids[{j}]",
+                                     f"{tok!r:.40} is outside the vocabulary [0, {model.vocab_size})")
     if not ids:
         raise InvalidRequest(field, "prompt is empty")
     if len(ids) >= model.max_model_len:
@@ -82,11 +97,13 @@ def _prompts(prompts: Sequence[Prompt], sp: SamplingParams, model: ModelLimits, 
     out = []
     for i, p in enumerate(prompts):
         field = f"prompts[{i}]"
-        _check_id(p.prompt_id, f"{field}.prompt_id")
+        check_id(p.prompt_id, f"{field}.prompt_id")
         if p.prompt_id in seen:
             raise InvalidRequest(f"{field}.prompt_id", f"duplicate prompt id {p.prompt_id!r}")
         seen.add(p.prompt_id)
         ids = prompt_tokens(p, field, model, tokenize)
+        if not _is_int(p.max_tokens):
+            raise InvalidRequest(f"{field}.max_tokens", f"must be an integer, got {p.max_tokens!r:.40}")
         max_tokens = p.max_tokens or sp.max_tokens
         if max_tokens < 0:
             raise InvalidRequest(f"{field}.max_tokens", f"must be >= 0, got {p.max_tokens}")
@@ -114,7 +131,7 @@ def build_step(
     tokenize: Tokenize | None = None,
 ) -> StepSpec:
     """Validate a Generate request; raise ``InvalidRequest`` naming the first bad field."""
-    _check_id(step_id, "step_id")
+    check_id(step_id, "step_id")
     if not prompts:
         raise InvalidRequest("prompts", "the batch is empty")
     if len(prompts) > limits.max_prompts:

@@ -39,6 +39,7 @@ from bubblespec.scheduler.core.types import (
     Action,
     Assign,
     Deliver,
+    Disconnect,
     LoadPolicy,
     ModelLimits,
     PolicyReady,
@@ -245,6 +246,8 @@ class _Simulation:
         self.tick_no = 0
         self.next_heartbeat = 0.0
         self.events_done = 0
+        self.loads_pending = 0
+        self.outbox: list[tuple[str, str, int]] = []  # draft results still to report
         self.batches: dict[int, list[SimPrompt]] = {}
         self.current: dict[str, SimPrompt] = {}
         self.upcoming: dict[tuple[int, ...], SimPrompt] = {}
@@ -295,8 +298,8 @@ class _Simulation:
     def update_policy(self) -> None:
         version = self.core.version + 1
         self._execute(self.core.update_policy(version, f"sim://weights/v{version}"))
-        self._run_until(lambda: self.core.version == version and not any(
-            e[2] == _LOADED for e in self.heap))
+        self._commit()
+        self._run_until(lambda: not self.loads_pending)
 
     # --------------------------------------------------------- event loop --
 
@@ -328,6 +331,7 @@ class _Simulation:
                 if kind == _ENGINE:
                     self._on_engine(wid)
                 else:
+                    self.loads_pending -= 1
                     self._execute(self.core.on_policy_loaded(wid, version, True))
             self._commit()
 
@@ -359,6 +363,10 @@ class _Simulation:
         self.wheel.setdefault(due, []).append((wid, m))
 
     def _commit(self) -> None:
+        while self.outbox:  # results of stopped draft jobs reach the core after the stop
+            results, self.outbox = self.outbox, []
+            for wid, job_id, tokens in results:
+                self._execute(self.core.on_draft_result(wid, job_id, tokens))
         for wid in self.dirty:
             eng = self.engines[wid]
             t = eng.commit(self.now)
@@ -404,15 +412,18 @@ class _Simulation:
             elif kind is StartDraft:
                 self._start_draft(a)  # type: ignore[arg-type]
             elif kind is StopDraft:
-                self._keep_partial(self.engines[a.worker_id].remove(self.now, a.job_id))  # type: ignore[union-attr]
+                self._keep_partial(a.worker_id, self.engines[a.worker_id].remove(self.now, a.job_id))  # type: ignore[union-attr]
                 self.dirty[a.worker_id] = None
             elif kind is Abort:
                 self.engines[a.worker_id].remove(self.now, a.key)  # type: ignore[union-attr]
                 self.dirty[a.worker_id] = None
+            elif kind is Disconnect:
+                self._disconnect(a.worker_id)  # type: ignore[union-attr]
             elif kind is StepFinished:
                 if self.log is not None and a.step_id == self.log.step_id:  # type: ignore[union-attr]
                     self.log.summary = a.summary  # type: ignore[union-attr]
             elif kind is LoadPolicy:
+                self.loads_pending += 1
                 heapq.heappush(self.heap, (self.now + self.settings.load_seconds, next(self.seq), _LOADED,
                                            a.worker_id, a.version))  # type: ignore[union-attr]
             elif kind is not PolicyReady:
@@ -436,7 +447,7 @@ class _Simulation:
         m = Member(req.key, p.lengths[req.sample_index], draft_len=draft_len, source=source, alpha=alpha,
                    prompt_tokens=self.workload.prompt_tokens, payload=req)
         for job in self.engines[a.worker_id].add(self.now, m):
-            self._keep_partial(job)
+            self._keep_partial(a.worker_id, job)
         self.dirty[a.worker_id] = None
         self._schedule_progress(a.worker_id, m)
 
@@ -454,11 +465,24 @@ class _Simulation:
             self.log.draft_jobs += 1
             self.log.drafters.add(a.worker_id)
 
-    def _keep_partial(self, m: Member | None) -> None:
-        """A preempted draft job keeps what it generated (the worker stores partial drafts)."""
-        if m is not None and m.job and int(m.pos0) > 0:
+    def _keep_partial(self, wid: str, m: Member | None) -> None:
+        """A stopped draft job keeps what it generated and reports it (as the worker agent does:
+        it stores the partial draft and sends a draft result)."""
+        if m is None or not m.job:
+            return
+        tokens = int(m.pos0)
+        if tokens > 0:
             prompt = m.payload.prompt_token_ids  # type: ignore[attr-defined]
-            self.future[prompt] = max(self.future.get(prompt, 0), int(m.pos0))
+            self.future[prompt] = max(self.future.get(prompt, 0), tokens)
+        self.outbox.append((wid, m.key, tokens))
+
+    def _disconnect(self, wid: str) -> None:
+        """The core declared the worker dead: its stream closes and it drops all its work (the
+        core has re-queued it). The simulated worker does not come back."""
+        eng = self.engines[wid]
+        for key in list(eng.members):
+            eng.remove(self.now, key)
+        self.dirty[wid] = None
 
     def _deliver(self, a: Deliver) -> None:
         log = self.log

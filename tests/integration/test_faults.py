@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from bubblespec.client import AsyncRolloutClient, ClientSettings, Retry, SamplingParams, SchedulingPolicy
+from bubblespec.client import AsyncRolloutClient, ClientSettings, Prompt, Retry, SamplingParams, SchedulingPolicy
 from bubblespec.scheduler.core.types import Assign, LoadPolicy
 from bubblespec.scheduler.server import Scheduler
 from bubblespec.scheduler.settings import SchedulerSettings
@@ -203,17 +203,18 @@ async def test_scheduler_restart_sdk_resumes_with_each_completion_once(cluster, 
     settings = SchedulerSettings(host="127.0.0.1", grpc_port=port, http_port=-1, redis_url=redis_server.url)
     first = Scheduler(settings)
     await first.start()
+    version = cluster.scheduler.core.version  # what the shared engines have loaded
     agents = [WorkerAgent(WorkerSettings(scheduler=f"127.0.0.1:{port}", worker_id=f"restart-{i}",
-                                         reconnect_max_seconds=0.5, engine=cluster.engine_settings), engine)
+                                         reconnect_max_seconds=0.5, policy_version=version,
+                                         engine=cluster.engine_settings), engine)
               for i, engine in enumerate(cluster.engines)]
     runs = [asyncio.create_task(a.run()) for a in agents]
-    ids = token_prompts(16, seed=541)
-    expected = await greedy_reference(client, ids, cluster.scheduler.core.version)
+    ids = [Prompt(f"p{i}", token_ids=t, max_tokens=20 + 18 * i) for i, t in enumerate(token_prompts(16, seed=541))]
+    expected = await greedy_reference(client, ids, version)  # staggered lengths: some finish first
     second = None
     try:
         await until(lambda: len(first.core.workers) == 2)
-        if first.core.version != cluster.scheduler.core.version:
-            pytest.skip("restart test needs the session cluster at its initial weights")
+        assert first.core.version == version, "a fresh scheduler adopts the version its workers run"
         sdk = AsyncRolloutClient(settings=ClientSettings(target=f"127.0.0.1:{port}",
                                                          retry=Retry(attempts=60, initial_seconds=0.2, max_seconds=1)))
         gen = asyncio.create_task(sdk.generate("restarted", ids, LONG, n=2, policy_version=first.core.version))
@@ -231,6 +232,7 @@ async def test_scheduler_restart_sdk_resumes_with_each_completion_once(cluster, 
         for r in runs:
             r.cancel()
         await asyncio.gather(*runs, return_exceptions=True)
+        await first.stop(grace=0)
         if second is not None:
             await second.stop(grace=0)
     keys = collections.Counter((c.prompt_id, c.sample_index) for c in result.completions)

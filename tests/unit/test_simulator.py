@@ -11,7 +11,13 @@ from bubblespec.client.types import SchedulingPolicy
 from bubblespec.scheduler.sim.__main__ import main
 from bubblespec.scheduler.sim.costs import CPU_TINY, GPU_H100_7B, PROFILES, CostProfile
 from bubblespec.scheduler.sim.engine import Member, SimulatedEngine
-from bubblespec.scheduler.sim.simulator import SimResult, SimSettings, simulate
+from bubblespec.scheduler.sim.simulator import (
+    SimResult,
+    SimSettings,
+    SimStalled,
+    _Simulation,
+    simulate,
+)
 from bubblespec.scheduler.sim.workload import (
     AcceptanceModel,
     LengthModel,
@@ -219,6 +225,23 @@ def test_time_between_steps_passes_without_losing_workers() -> None:
     r = run("queue", True, settings=SimSettings(capacity=8, samples=4, train_seconds=45.0))
     assert [s.delivered for s in r.steps] == [512, 512]
     assert r.steps[1].summary.requests_requeued == 0  # no worker was declared dead in the gap
+
+
+def test_stopped_draft_jobs_report_their_partial_result_to_the_core() -> None:
+    sim = _Simulation(SchedulingPolicy.QUEUE, 16, 128, GPU_H100_7B, True, 0, SHORT, AcceptanceModel(),
+                      SimSettings(capacity=64, samples=4))
+    first = sim.run_step(0)  # the step's end stops every draft job still running
+    assert first.draft_jobs > 0
+    assert all(not w.drafts and not w.stopping for w in sim.core.workers.values())
+    assert not any(up.in_flight for up in sim.core.planner.upcoming.values())
+    assert all(e.idle for e in sim.engines.values())
+
+
+def test_silent_workers_are_disconnected_and_a_stuck_step_is_reported() -> None:
+    long = Workload(lengths=LengthModel(median_tokens=4000, prompt_sigma=0, sample_sigma=0))
+    silent = SimSettings(capacity=64, samples=4, heartbeat_seconds=1000)  # no heartbeat after t=1 s
+    with pytest.raises(SimStalled, match="64 requests undelivered"):
+        simulate("queue", 4, 64, 1, GPU_H100_7B, False, workload=long, settings=silent)
 
 
 def test_finished_siblings_serve_as_history_drafts() -> None:
