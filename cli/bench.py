@@ -81,7 +81,7 @@ async def _run_arm(cluster, client, arm: Arm, prompts, weights, cfg: BenchConfig
         version = version0 + s
         await client.update_policy(version, weights[s])
         ahead = prompts[s + 1] if s + 1 < len(prompts) else []
-        result = await client.generate(f"bench-{arm.name}-{version}", prompts[s], sampling, n=cfg.samples,
+        result = await client.generate(f"bench-{arm.name.replace('+', '-')}-{version}", prompts[s], sampling, n=cfg.samples,
                                        policy_version=version, lookahead=ahead, policy=arm.policy,
                                        drafts=arm.drafts, straggler_watch=arm.straggler_watch)
         rows.append(_step_row(arm.name, s + 1, result))
@@ -158,10 +158,22 @@ def bench_prompts(cfg: BenchConfig) -> list[list]:
     return [make_prompts(cfg.prompts, seed=cfg.seed * 1000 + s) for s in range(cfg.steps + 1)]
 
 
+RLVR_MODEL_DIR = Path.home() / ".cache" / "bubblespec" / "rlvr-model"
+
+
+def ensure_rlvr_model(path: Path = RLVR_MODEL_DIR) -> str:
+    """The model trained on the arithmetic task, trained here on first use (a few minutes)."""
+    if not (path / "model.safetensors").exists():
+        from bubblespec.worker.rlvr import train_rlvr_model
+
+        print(f"training the RLVR model into {path} (first run only) ...", flush=True)
+        train_rlvr_model(path)
+    return str(path)
+
+
 def main(args) -> None:
     from bubblespec.cli.commands import Cluster, _engine_settings
     from bubblespec.scheduler.settings import SchedulerSettings
-    from bubblespec.worker.rlvr import ensure_rlvr_model
 
     cfg = BenchConfig(steps=3 if args.quick else args.steps, prompts=16 if args.quick else args.prompts,
                       samples=args.samples, max_tokens=args.max_tokens, seed=args.seed)

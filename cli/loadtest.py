@@ -50,6 +50,7 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 __all__ = ["LoadSettings", "add_parser", "loadtest", "memory_verdict", "percentile", "run_loadtest"]
 
@@ -89,7 +90,7 @@ class LoadSettings:
     redis_url: str = ""
     """Redis for the scheduler journal and the workers' drafts ('' = start redis-server on a free
     port, or the in-process memory store if none is installed; 'memory' = no Redis)."""
-    worker_store: str = "redis"
+    worker_store: Literal["redis", "memory"] = "redis"
     """Workers' draft store: 'redis' (the Redis above, one client per worker, as deployed) or
     'memory' (one in-process store per worker: keeps this process's CPU for the agents)."""
     seed: int = 0
@@ -183,25 +184,29 @@ class _SchedulerProcess:
     """The real scheduler in a child process; reads its memory and CPU from /proc."""
 
     def __init__(self, redis_url: str, keep_steps: int, trace_memory: bool = False) -> None:
-        self._trace = tempfile.NamedTemporaryFile(prefix="bubblespec-loadtest-trace-", suffix=".txt", delete=False)
+        self._trace = tempfile.NamedTemporaryFile(  # noqa: SIM115 - the child writes it; removed once read
+            prefix="bubblespec-loadtest-trace-", suffix=".txt", delete=False)
         self.config = {"redis_url": redis_url, "keep_steps": keep_steps,
                        "trace_file": self._trace.name if trace_memory else ""}
-        self._log = tempfile.NamedTemporaryFile(prefix="bubblespec-loadtest-scheduler-", suffix=".log", delete=False)
+        self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - the child writes it; removed in stop()
+            prefix="bubblespec-loadtest-scheduler-", suffix=".log", delete=False)
         self.proc: subprocess.Popen | None = None
         self.grpc_port = 0
         self.http_port = 0
 
     async def start(self, timeout: float = 60.0) -> None:
         cmd = [sys.executable, "-m", "bubblespec.cli.loadtest", "--scheduler-child", json.dumps(self.config)]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._log)
+        self.proc = subprocess.Popen(  # noqa: ASYNC220 - spawning does not wait for the child
+            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._log)
         try:
             line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), timeout)
         except TimeoutError:
             line = b""
         self.proc.stdout.close()
         if not line:
+            tail = self.log_tail()
             self.stop()
-            raise RuntimeError(f"the scheduler did not start:\n{self.log_tail()}")
+            raise RuntimeError(f"the scheduler did not start:\n{tail}")
         ports = json.loads(line)
         self.grpc_port, self.http_port = ports["grpc_port"], ports["http_port"]
 
@@ -227,7 +232,10 @@ class _SchedulerProcess:
 
     def memory_trace(self) -> str:
         """tracemalloc's top allocation sites, written by the child when it stopped."""
-        return Path(self._trace.name).read_text() if self.config["trace_file"] else ""
+        try:
+            return Path(self._trace.name).read_text() if self.config["trace_file"] else ""
+        finally:
+            Path(self._trace.name).unlink(missing_ok=True)
 
     def log_tail(self, lines: int = 30) -> str:
         text = Path(self._log.name).read_text(errors="replace").splitlines()
@@ -243,6 +251,9 @@ class _SchedulerProcess:
                 self.proc.wait(5)
         self._log.close()
         self._trace.close()
+        failed = self.proc is not None and self.proc.returncode not in (0, -signal.SIGTERM)
+        if not failed:
+            Path(self._log.name).unlink(missing_ok=True)  # kept (and named in the error) otherwise
 
 
 async def _serve_child(config: dict) -> None:
@@ -391,7 +402,10 @@ class StepRecord:
     scheduler_cpu_share: float
     harness_cpu_share: float
     loop_lag_p99_ms: float
+    loop_lag_max_ms: float
     generated_tokens: int
+    requests_moved: int
+    requests_requeued: int
 
 
 @dataclass
@@ -569,7 +583,9 @@ def _record(h: _Harness, step: int, collector, seconds: float, update_seconds: f
         unmatched_assignments=probe.unmatched,
         scheduler_rss_mib=h.scheduler.rss_mib(), scheduler_rss_peak_mib=sampler.rss_peak,
         scheduler_cpu_share=cpu / seconds, harness_cpu_share=own / seconds,
-        loop_lag_p99_ms=1000 * percentile(sampler.lags, 99), generated_tokens=summary.generated_tokens)
+        loop_lag_p99_ms=1000 * percentile(sampler.lags, 99), loop_lag_max_ms=1000 * max(sampler.lags, default=0.0),
+        generated_tokens=summary.generated_tokens, requests_moved=summary.requests_moved,
+        requests_requeued=summary.requests_requeued)
 
 
 async def run_loadtest(settings: LoadSettings, on_step=None) -> LoadResult:
@@ -694,29 +710,34 @@ def table_header() -> str:
 
 def table_row(r: StepRecord) -> str:
     row = "  ".join(f"{getattr(r, name):>{width}{fmt}}" for name, _, width, fmt in _COLUMNS)
-    flags = [f"{r.duplicates} dup" if r.duplicates else "", f"{r.missing} missing" if r.missing else ""]
+    flags = [f"{r.duplicates} dup" if r.duplicates else "", f"{r.missing} missing" if r.missing else "",
+             f"{r.requests_moved} moved" if r.requests_moved else "",
+             f"{r.requests_requeued} requeued" if r.requests_requeued else ""]
     return row + "".join(f"  !{f}" for f in flags if f)
 
 
 def summary_text(result: LoadResult) -> str:
     s, m = result.summary, result.summary["memory"]
+    verdict = m["verdict"]
+    if "allowed_mib" in m:
+        verdict += (f" (last-5 median {m['growth_mib']:+.1f} MiB vs steps 3-7, allowed {m['allowed_mib']:.1f}; "
+                    f"slope {m['slope_mib_per_step']:+.2f} MiB/step)")
+    ws = s["worker_store"]
     lines = [
-        f"completions: {s['completions']} delivered, {s['duplicates']} duplicates, {s['missing']} missing or unexpected"
-        f" (scheduler's bubblespec_completions_total: {s['metrics_completions_total']:.0f})",
-        f"throughput: {s['completions_per_second']:.1f} completions/s through the scheduler "
-        f"({s['generate_seconds']:.1f} s of Generate, {s['total_seconds']:.1f} s with policy updates); "
-        f"scheduler CPU {s['scheduler_cpu_ms_per_completion']:.2f} ms per completion",
-        f"dispatch latency over all {s['dispatch_n']} requests: p50 {s['dispatch_p50_ms']:.2f} ms, "
-        f"p99 {s['dispatch_p99_ms']:.2f} ms (first wave, {s['first_wave_n']}: p50 {s['first_wave_p50_ms']:.2f} / "
-        f"p99 {s['first_wave_p99_ms']:.2f} ms; refills, {s['refill_n']}: p50 {s['refill_p50_ms']:.2f} / "
-        f"p99 {s['refill_p99_ms']:.2f} ms); worst step p99 {s['dispatch_p99_ms_max_of_steps']:.2f} ms",
-        f"scheduler memory: RSS {s['scheduler_rss_mib_first']:.1f} MiB after step 1, "
-        f"{s['scheduler_rss_mib_last']:.1f} MiB after the last, peak {s['scheduler_peak_rss_mib']:.1f} MiB; "
-        f"verdict: {m['verdict']}"
-        + (f" (last-5 median {m['growth_mib']:+.1f} MiB vs steps 3-7, allowed {m['allowed_mib']:.1f}; "
-           f"slope {m['slope_mib_per_step']:+.2f} MiB/step)" if "allowed_mib" in m else ""),
-        f"worker draft stores ({result.settings['worker_store']}): {s['worker_store']['ops']} ops, {s['worker_store']['errors']} errors, "
-        f"mean {s['worker_store']['mean_op_ms']:.2f} ms",
+        (f"completions: {s['completions']} delivered, {s['duplicates']} duplicates, {s['missing']} missing or "
+         f"unexpected (scheduler's bubblespec_completions_total: {s['metrics_completions_total']:.0f})"),
+        (f"throughput: {s['completions_per_second']:.1f} completions/s through the scheduler "
+         f"({s['generate_seconds']:.1f} s of Generate, {s['total_seconds']:.1f} s with policy updates); "
+         f"scheduler CPU {s['scheduler_cpu_ms_per_completion']:.2f} ms per completion"),
+        (f"dispatch latency over all {s['dispatch_n']} requests: p50 {s['dispatch_p50_ms']:.2f} ms, "
+         f"p99 {s['dispatch_p99_ms']:.2f} ms (first wave, {s['first_wave_n']}: p50 {s['first_wave_p50_ms']:.2f} / "
+         f"p99 {s['first_wave_p99_ms']:.2f} ms; refills, {s['refill_n']}: p50 {s['refill_p50_ms']:.2f} / "
+         f"p99 {s['refill_p99_ms']:.2f} ms); worst step p99 {s['dispatch_p99_ms_max_of_steps']:.2f} ms"),
+        (f"scheduler memory: RSS {s['scheduler_rss_mib_first']:.1f} MiB after step 1, "
+         f"{s['scheduler_rss_mib_last']:.1f} MiB after the last, peak {s['scheduler_peak_rss_mib']:.1f} MiB; "
+         f"verdict: {verdict}"),
+        (f"worker draft stores ({result.settings['worker_store']}): {ws['ops']} ops, {ws['errors']} errors, "
+         f"mean {ws['mean_op_ms']:.2f} ms"),
     ]
     if "redis" in s:
         lines.append(f"redis at the end: {s['redis']['keys']} keys, {s['redis']['used_memory_mib']:.1f} MiB")

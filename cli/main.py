@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("make-tiny-model", help="write the tiny Llama test model and tokenizer")
     tiny.add_argument("dir")
     tiny.add_argument("--seed", type=int, default=0)
+    rlvr = sub.add_parser("make-rlvr-model", help="train the tiny Llama on the RLVR arithmetic task (minutes, CPU)")
+    rlvr.add_argument("dir")
+    rlvr.add_argument("--seed", type=int, default=0)
+    rlvr.add_argument("--steps", type=int, default=None, help="optimizer steps (default: TrainSettings.steps)")
     from bubblespec.cli.loadtest import add_parser as add_loadtest_parser
 
     add_loadtest_parser(sub, _add)
@@ -107,6 +111,12 @@ def main(argv: list[str] | None = None) -> int:
         from bubblespec.worker.tiny_model import build_tiny_model
 
         print(build_tiny_model(args.dir, seed=args.seed))
+        return 0
+    if args.command == "make-rlvr-model":
+        from bubblespec.worker.rlvr import train_rlvr_model
+
+        stats = train_rlvr_model(args.dir, seed=args.seed, steps=args.steps)
+        print(f"{stats['path']}: loss {stats['final_loss']:.4f} after {stats['seconds']:.0f}s")
         return 0
     if args.command == "loadtest":
         from bubblespec.cli.loadtest import loadtest

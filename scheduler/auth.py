@@ -8,6 +8,8 @@ INVALID_ARGUMENT naming ``request`` (grpc's default would be UNKNOWN and an erro
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import inspect
 
@@ -19,6 +21,17 @@ _TRAINER_PREFIX = "/bubblespec.v1.Rollout/"
 _WORKER_PREFIX = "/bubblespec.v1.WorkerLink/"
 
 
+async def _settle(requests) -> None:
+    """Let a streaming client's opening burst (hello, first heartbeat) land before refusing:
+    a grpc-python client still writing when the status arrives reports its failed write
+    (INTERNAL) instead of the status. Reads until 0.25 s pass quietly, 2 s at most."""
+    it = aiter(requests)
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(2.0):
+            while True:
+                await asyncio.wait_for(anext(it), 0.25)
+
+
 def _deny(code: grpc.StatusCode, message: str, handler: grpc.RpcMethodHandler | None):
     async def unary(request, context):
         await context.abort(code, message)
@@ -27,14 +40,23 @@ def _deny(code: grpc.StatusCode, message: str, handler: grpc.RpcMethodHandler | 
         await context.abort(code, message)
         yield  # pragma: no cover
 
+    async def client_streaming(requests, context):
+        await _settle(requests)
+        await context.abort(code, message)
+
+    async def bidi(requests, context):
+        await _settle(requests)
+        await context.abort(code, message)
+        yield  # pragma: no cover
+
     if handler is None:  # no such method: refuse before telling what exists
         return grpc.unary_unary_rpc_method_handler(unary)
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(streaming)
+        return grpc.stream_stream_rpc_method_handler(bidi)
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(streaming)
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(unary)
+        return grpc.stream_unary_rpc_method_handler(client_streaming)
     return grpc.unary_unary_rpc_method_handler(unary)
 
 

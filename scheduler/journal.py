@@ -68,21 +68,27 @@ class StepJournal:
         self._writes.put_nowait(("hset", self._step_key(completion.step_id), key, blob))
 
     async def _writer(self) -> None:
+        """Write queued items in order, everything queued so far in one pipeline."""
         while True:
-            item = await self._writes.get()
-            if isinstance(item, asyncio.Future):
-                item.set_result(None)
-                continue
+            batch = [await self._writes.get()]
+            while not self._writes.empty():
+                batch.append(self._writes.get_nowait())
+            writes = [item for item in batch if not isinstance(item, asyncio.Future)]
             try:
-                if item[0] == "set":
-                    await self.redis.set(item[1], item[2], ex=self.ttl)
-                else:
+                if writes:
                     async with self.redis.pipeline(transaction=False) as pipe:
-                        pipe.hset(item[1], item[2], item[3])
-                        pipe.expire(item[1], self.ttl)
+                        for item in writes:
+                            if item[0] == "set":
+                                pipe.set(item[1], item[2], ex=self.ttl)
+                            else:
+                                pipe.hset(item[1], item[2], item[3])
+                                pipe.expire(item[1], self.ttl)
                         await pipe.execute()
             except Exception as exc:  # Redis down: lose resumability, never the service
-                logger.warning("step journal write failed: %s", type(exc).__name__)
+                logger.warning("step journal write failed (%d items): %s", len(writes), type(exc).__name__)
+            for item in batch:
+                if isinstance(item, asyncio.Future) and not item.done():
+                    item.set_result(None)
 
     # ------------------------------------------------------------------ reads --
 

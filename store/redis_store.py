@@ -62,7 +62,7 @@ class RedisStore:
         if settings.backend != "redis":
             raise ValueError("url must be a redis:// or rediss:// URL for RedisStore")
         self._settings = settings
-        self._client = Redis.from_url(settings.url, **_client_options(settings))
+        self._client = redis_client(settings)
         self._stats = StatsRecorder()
         self._closed = False
         logger.info("draft store: redis at %s", settings.redacted_url)
@@ -174,8 +174,16 @@ class RedisStore:
 
 
 def redis_client(settings: StoreSettings) -> Redis:
-    """A ``redis.asyncio`` client with the store's timeouts, password and TLS settings."""
-    return Redis.from_url(settings.url, **_client_options(settings))
+    """A ``redis.asyncio`` client with the store's timeouts, password and TLS settings.
+
+    The pool blocks (up to the operation timeout) instead of failing when every connection is
+    busy, so a burst of concurrent lookups waits rather than tripping the circuit breaker.
+    """
+    from redis.asyncio import BlockingConnectionPool
+
+    pool = BlockingConnectionPool.from_url(settings.url, max_connections=64,
+                                           timeout=settings.op_timeout_seconds, **_client_options(settings))
+    return Redis(connection_pool=pool)
 
 
 def _client_options(settings: StoreSettings) -> dict[str, Any]:

@@ -177,7 +177,7 @@ def length_stats(lengths: Sequence[int]) -> dict[str, float]:
 class TrainSettings:
     """Supervised warm-start of the tiny Llama on the task (teacher forcing on prompt + target)."""
 
-    steps: int = 1200
+    steps: int = 1500
     """Optimizer steps."""
     hidden_size: int = 128
     """Model width (a multiple of 64: heads are 64 wide)."""
@@ -188,9 +188,9 @@ class TrainSettings:
     heads give a 128-wide model only two, which learns the label lookup much more slowly)."""
     max_len: int = 1024
     """Longest prompt + response the model is built for (vLLM's max_model_len)."""
-    batch_tokens: int = 3072
+    batch_tokens: int = 2048
     """Padded tokens per batch (sequences of similar length are batched together)."""
-    lr: float = 3e-3
+    lr: float = 2e-3
     """Peak AdamW learning rate (linear warm-up, cosine decay to 10%)."""
     warmup_steps: int = 60
     """Steps of linear learning-rate warm-up."""
@@ -331,9 +331,11 @@ def train_rlvr_model(
         model.eval()
         model.save_pretrained(str(path), safe_serialization=True)
     tail = losses[-max(1, min(50, len(losses))):]
-    return {"path": str(path), "seed": seed, "seconds": time.monotonic() - started,
-            "final_loss": sum(tail) / len(tail), "settings": asdict(s), "task": asdict(task),
-            "parameters": sum(p.numel() for p in model.parameters())}
+    stats = {"path": str(path), "seed": seed, "seconds": round(time.monotonic() - started, 1),
+             "final_loss": sum(tail) / len(tail), "parameters": sum(p.numel() for p in model.parameters()),
+             "settings": asdict(s), "task": asdict(task)}
+    (path / "rlvr_training.json").write_text(json.dumps(stats, indent=2) + "\n")
+    return stats
 
 
 # -------------------------------------------------------------------------------- measurement

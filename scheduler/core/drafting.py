@@ -42,7 +42,9 @@ class DraftPlanner:
 
     def forget(self, token_ids: tuple[int, ...]) -> None:
         """The prompt's step has arrived: stop planning drafts for it."""
-        self.upcoming.pop(token_ids, None)
+        if self.upcoming.pop(token_ids, None) is not None and len(self._heap) > 2 * len(self.upcoming) + 64:
+            self._heap = [e for e in self._heap if e[3] in self.upcoming]  # drop stale entries
+            heapq.heapify(self._heap)
 
     def pick(self) -> Upcoming | None:
         """The most valuable prompt that has no draft job in flight, or None."""

@@ -41,8 +41,10 @@ class CoreSettings:
     """A worker is not judged before it has been busy this long in the step."""
     stall_seconds: float = 30.0
     """A running request with no progress for this long is moved to another worker."""
-    keep_steps: int = 32
-    """Finished steps kept for resume and status."""
+    keep_steps: int = 4
+    """Finished steps kept in memory (resume after a scheduler restart uses the Redis journal)."""
+    max_length_history: int = 200_000
+    """Prompts whose response-length average is kept (oldest forgotten first)."""
     drafting: bool = True
     """Send idle workers draft jobs for upcoming prompts."""
     timeline_segments: int = 256
@@ -265,13 +267,18 @@ class SchedulerCore:
             return self._fill(w)
         req.done = True
         step.completions[key] = completion
-        prompt = req.spec.prompt_token_ids
-        self.lengths[prompt] = 0.5 * self.lengths.get(prompt, len(completion.token_ids)) + 0.5 * len(completion.token_ids)
+        self._record_length(req.spec.prompt_token_ids, len(completion.token_ids))
         actions: list[Action] = [Deliver(step.spec.step_id, completion)]
         if len(step.completions) == len(step.requests):
             actions += self._finish(step)
         actions += self._fill(w)
         return actions
+
+    def _record_length(self, prompt: tuple[int, ...], length: int) -> None:
+        previous = self.lengths.pop(prompt, float(length))  # re-insert: dicts keep insertion order
+        self.lengths[prompt] = 0.5 * previous + 0.5 * length
+        if len(self.lengths) > self.settings.max_length_history:
+            del self.lengths[next(iter(self.lengths))]
 
     def on_aborted(self, worker_id: str, key: str) -> list[Action]:
         """The worker could not run the request: give it to someone else."""

@@ -239,3 +239,33 @@ async def test_scheduler_restart_sdk_resumes_with_each_completion_once(cluster, 
     assert len(keys) == 32 and max(keys.values()) == 1
     assert [c.token_ids for c in result.completions] == [e for e in expected for _ in range(2)]
     assert 0 < len(delivered) < 32, "the restarted scheduler should run only what was not delivered"
+
+
+async def test_redis_unreachable_from_the_start_steps_stay_exact(cluster, client):
+    from bubblespec.store import StoreSettings, open_store
+
+    dead = StoreSettings(url=f"redis://127.0.0.1:{_free_port()}/0", op_timeout_seconds=0.2, retry_after_seconds=0.5)
+    store = open_store(dead, resilient=True)
+    sched = Scheduler(SchedulerSettings(host="127.0.0.1", grpc_port=0, http_port=-1))
+    await sched.start()
+    version = cluster.scheduler.core.version
+    agents = [WorkerAgent(WorkerSettings(scheduler=f"127.0.0.1:{sched.grpc_port}", worker_id=f"noredis-{i}",
+                                         policy_version=version, engine=cluster.engine_settings), engine, store)
+              for i, engine in enumerate(cluster.engines)]
+    runs = [asyncio.create_task(a.run()) for a in agents]
+    steps = [token_prompts(10, seed=551 + s) for s in range(3)]
+    try:
+        await until(lambda: len(sched.core.workers) == 2)
+        async with AsyncRolloutClient(f"127.0.0.1:{sched.grpc_port}") as sdk:
+            for s in range(2):
+                got = await sdk.generate(f"noredis-{s}", steps[s], LONG, policy_version=version, lookahead=steps[s + 1])
+                assert [c.token_ids for c in got.completions] == await greedy_reference(client, steps[s], version)
+                assert got.summary.provenance.accepted("future") == 0
+    finally:
+        for a in agents:
+            await a.stop()
+        for r in runs:
+            r.cancel()
+        await asyncio.gather(*runs, return_exceptions=True)
+        await sched.stop(grace=0)
+    assert not store.available and store.stats.errors > 0

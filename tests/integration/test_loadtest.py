@@ -8,11 +8,19 @@ import math
 import shutil
 
 import pytest
-
-from bubblespec.cli.loadtest import LoadSettings, memory_verdict, percentile, run_loadtest
+from bubblespec.cli.loadtest import (
+    LoadSettings,
+    memory_verdict,
+    percentile,
+    run_loadtest,
+)
 from bubblespec.client.types import FinishReason, SamplingParams
 from bubblespec.worker.engine import EngineRequest
-from bubblespec.worker.sim_engine import EOS_TOKEN_ID, SimEngineSettings, SimulatedEngine
+from bubblespec.worker.sim_engine import (
+    EOS_TOKEN_ID,
+    SimEngineSettings,
+    SimulatedEngine,
+)
 
 FAST = SimEngineSettings(step_seconds=0.001, batch_slope_seconds=0.0, median_tokens=12, progress_tokens=4,
                          vocab_size=1000, max_model_len=128)
