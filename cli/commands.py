@@ -54,7 +54,8 @@ def worker(a: argparse.Namespace) -> None:
     from bubblespec.worker.main import run
 
     settings = WorkerSettings(scheduler=a.scheduler, worker_id=a.worker_id, token=a.worker_token,
-                              engine=_engine_settings(a))
+                              tls=a.tls, tls_ca_file=a.tls_ca_file, tls_cert_file=a.tls_cert_file,
+                              tls_key_file=a.tls_key_file, engine=_engine_settings(a))
     store = StoreSettings(url=a.redis_url, password=a.redis_password, tls_ca_file=a.redis_tls_ca_file)
     run(settings, store, a.metrics_port)
 

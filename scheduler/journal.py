@@ -20,6 +20,8 @@ import asyncio
 import json
 import logging
 
+from google.protobuf.message import DecodeError
+
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.client import _convert as cv
 from bubblespec.client.types import Completion
@@ -113,10 +115,14 @@ class StepJournal:
         if b"fingerprint" not in fields:
             return None
         done = {}
-        for key, blob in fields.items():
-            if key != b"fingerprint":
-                done[key.decode()] = cv.completion_from_pb(pb.Completion.FromString(blob))
-        return fields[b"fingerprint"].decode(), done
+        try:
+            for key, blob in fields.items():
+                if key != b"fingerprint":
+                    done[key.decode()] = cv.completion_from_pb(pb.Completion.FromString(blob))
+            return fields[b"fingerprint"].decode(), done
+        except (DecodeError, UnicodeDecodeError):  # corrupt journal: run the step afresh
+            logger.warning("step journal entry of %r is corrupt; ignoring it", step_id)
+            return None
 
     def _step_key(self, step_id: str) -> str:
         return f"{self.prefix}step:{step_id}"

@@ -235,9 +235,10 @@ class SchedulerService:
         elif kind == "policy_loaded":
             m = msg.policy_loaded
             w = core.workers.get(worker_id)
-            if w is None or w.loading != m.version:  # the core ignores it (the listeners still see it)
+            if w is None or w.loading != m.version:  # nobody asked: ignore (no state, no metrics)
                 logger.warning("worker %s sent a bad message: policy_loaded.version: %d was not asked of it",
                                worker_id, m.version)
+                return
             if not m.ok:
                 logger.error("worker %s failed to load version %d: %s", worker_id, m.version, m.error)
             for listener in self.load_listeners:

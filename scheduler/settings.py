@@ -55,3 +55,19 @@ class SchedulerSettings:
     """Request-size limits."""
     core: CoreSettings = CoreSettings()
     """Scheduling-core tunables."""
+
+    def __repr__(self) -> str:
+        """Secrets hidden: tokens and passwords are not shown, nor a password inside the URL."""
+        from dataclasses import fields
+
+        from bubblespec.store import StoreSettings
+
+        shown = []
+        for f in fields(self):
+            if not f.repr:
+                continue
+            value = getattr(self, f.name)
+            if f.name == "redis_url" and value:
+                value = StoreSettings(url=value).redacted_url
+            shown.append(f"{f.name}={value!r}")
+        return f"SchedulerSettings({', '.join(shown)})"

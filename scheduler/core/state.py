@@ -128,15 +128,17 @@ class SchedulerCore:
             raise InvalidRequest("hello.capacity", f"must be >= 1, got {hello.capacity}")
         if self.limits is not None and hello.limits != self.limits:
             raise InvalidRequest("hello", f"model limits {hello.limits} differ from the cluster's {self.limits}", "FAILED_PRECONDITION")
-        self.limits = hello.limits
-        if not self.weights_path and not self.workers and not self.steps:
-            self.version = hello.policy_version  # a fresh scheduler adopts what workers run
+        fresh = not self.weights_path and not self.workers and not self.steps
+        version = hello.policy_version if fresh else self.version  # a fresh scheduler adopts it
+        if hello.policy_version != version and not self.weights_path:
+            raise InvalidRequest("hello.policy_version", f"worker has version {hello.policy_version}; the cluster "
+                                 f"runs {version} and has no weights path to send", "FAILED_PRECONDITION")
+        # every check passed: only now change state
+        self.limits, self.version = hello.limits, version
         w = WorkerState(hello, hello.policy_version, now, now, state_since=now)
         self.workers[hello.worker_id] = w
         actions: list[Action] = []
         if w.version != self.version:
-            if not self.weights_path:
-                raise InvalidRequest("hello.policy_version", f"worker has version {w.version}; the cluster runs {self.version} and has no weights path to send", "FAILED_PRECONDITION")
             w.loading = self.version
             actions.append(LoadPolicy(w.hello.worker_id, self.version, self.weights_path))
         self._set_state(w, now)

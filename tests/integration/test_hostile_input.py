@@ -75,7 +75,7 @@ Rows (id: what is sent -> expected answer):
     hello-other-model-len       max_model_len 1024 (cluster: 512) -> FAILED_PRECONDITION hello
     hello-other-vocab           vocab_size 50000 (cluster: 128) -> FAILED_PRECONDITION hello
     hello-unknown-version       policy_version 5, no weights to send -> FAILED_PRECONDITION
-                                hello.policy_version (xfail: the core keeps a ghost worker)
+                                hello.policy_version
     worker-garbage-after-hello  hello, then undecodable bytes -> INVALID_ARGUMENT request, worker removed
 
   worker junk on an established stream, mid-step (ignored; no state change)
@@ -369,11 +369,6 @@ def raw_worker(*frames: bytes) -> Act:
     return act
 
 
-UNKNOWN_VERSION_XFAIL = pytest.mark.xfail(
-    reason="SchedulerCore.add_worker registers the worker (and adopts its limits/version) before it refuses "
-           "an unknown policy version: a ghost worker stays until the liveness timeout (fix in core/state.py)",
-    strict=False)
-
 HELLO_ROWS = [
     Row("worker-empty-stream", "hello", opening(None), INVALID, "hello"),
     Row("worker-first-heartbeat", "hello", opening(pb.WorkerMessage(heartbeat=pb.Heartbeat())), INVALID, "hello"),
@@ -387,8 +382,7 @@ HELLO_ROWS = [
     Row("hello-capacity-negative", "hello", opening(hello(capacity=-4)), INVALID, "hello.capacity"),
     Row("hello-other-model-len", "hello", opening(hello(max_model_len=1024)), PRECONDITION, "hello"),
     Row("hello-other-vocab", "hello", opening(hello(vocab_size=50_000)), PRECONDITION, "hello"),
-    Row("hello-unknown-version", "hello", opening(hello(policy_version=5)), PRECONDITION, "hello.policy_version",
-        marks=(UNKNOWN_VERSION_XFAIL,)),
+    Row("hello-unknown-version", "hello", opening(hello(policy_version=5)), PRECONDITION, "hello.policy_version"),
     Row("worker-garbage-after-hello", "hello", raw_worker(hello().SerializeToString(), b"\x0a\xff\xff"),
         INVALID, "request"),
 ]
@@ -683,10 +677,6 @@ async def test_hostile_input(row: Row, env: Env, caplog, request):
         await row.act(env, redis_server.url)
 
 
-@pytest.mark.xfail(reason="SchedulerService.on_worker_message hands every PolicyLoaded to the load listeners, "
-                          "asked for or not, so junk shows up in bubblespec_weight_load_seconds / "
-                          "_failures_total (tests/unit/test_metric_names.py relies on that: its fixture "
-                          "reports a load nobody asked for)", strict=False)
 async def test_unasked_policy_loaded_is_not_a_weight_load(env: Env):
     tally = env.scheduler.metrics.tally
     before = (sum(tally.weight_load.counts), tally.load_failures)

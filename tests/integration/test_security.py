@@ -463,7 +463,5 @@ def test_settings_reprs_hide_secrets():
         assert_no_secret(str(obj), f"str({type(obj).__name__})")
 
 
-@pytest.mark.xfail(reason="SchedulerSettings.redis_url is shown verbatim by repr(); a password inside the URL "
-                          "leaks (StoreSettings redacts it; settings.py needs the same)", strict=False)
 def test_scheduler_settings_repr_redacts_a_password_in_the_redis_url():
     assert_no_secret(repr(SchedulerSettings(redis_url=f"redis://:{REDIS_PASSWORD}@r:6379/0")), "repr(SchedulerSettings)")

@@ -95,6 +95,7 @@ def fed() -> Harness:
     for a in list(h.assigned):
         h.clock.advance(1.0)
         h.complete(a)
+    h.run(h.core.update_policy(1, "/weights/v1"))
     h.service.on_worker_message("w0", pb.WorkerMessage(policy_loaded=pb.PolicyLoaded(version=1, ok=True, seconds=2.0)))
     h.metrics.count_rpc("bubblespec.v1.Rollout/Status", grpc.StatusCode.OK)
     h.metrics.store = ResilientStore(MemoryStore())
