@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(demo, "prompts", 16, "prompts per step")
     _add(demo, "samples", 2, "samples per prompt")
     _engine_flags(demo)
+    sub.add_parser("simulate", help="cluster simulator: the scheduling core at 8-4,096 workers (see --help)",
+                   add_help=False)
     bench = sub.add_parser("bench", help="baseline vs BubbleSpec on the same RL steps, side by side")
     _add(bench, "workers", 2, "number of vLLM workers")
     _add(bench, "steps", 5, "RL steps per arm")
@@ -109,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["simulate"]:  # the simulator owns its flags
+        from bubblespec.scheduler.sim.__main__ import main as simulate
+
+        return simulate(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "make-tiny-model":
