@@ -47,6 +47,8 @@ class CoreSettings:
     """Prompts whose response-length average is kept (oldest forgotten first)."""
     drafting: bool = True
     """Send idle workers draft jobs for upcoming prompts."""
+    max_draft_jobs_per_worker: int = 16
+    """Draft jobs one idle worker runs at once (spreads drafting over the idle workers)."""
     timeline_segments: int = 256
     """Timeline segments kept per worker (for the UI)."""
 
@@ -116,6 +118,7 @@ class SchedulerCore:
         self.planner = DraftPlanner()
         self.lengths: dict[tuple[int, ...], float] = {}
         self._barrier: int | None = None
+        self._loading: set[str] = set()  # workers the barrier still waits for
         self._jobs = itertools.count()
 
     # ------------------------------------------------------------- workers --
@@ -142,13 +145,14 @@ class SchedulerCore:
             w.loading = self.version
             actions.append(LoadPolicy(w.hello.worker_id, self.version, self.weights_path))
         self._set_state(w, now)
-        return actions + self._fill_all()
+        return actions + self._fill(w)
 
     def remove_worker(self, worker_id: str) -> list[Action]:
         """The worker's stream ended or it timed out: re-queue everything it held."""
         w = self.workers.pop(worker_id, None)
         if w is None:
             return []
+        self._loading.discard(worker_id)
         now = self.clock()
         self._close_state(w, now)
         for key in list(w.running) + list(w.private):
@@ -158,7 +162,7 @@ class SchedulerCore:
                 req.worker = None
                 step.shared.appendleft(key)
                 step.requeued += 1
-        for prompt in w.drafts.values():
+        for prompt in (*w.drafts.values(), *w.stopping.values()):
             self.planner.done(prompt, produced=False)
         return self._check_barrier() + self._fill_all()
 
@@ -314,6 +318,7 @@ class SchedulerCore:
         if running:
             raise InvalidRequest("version", f"step {running[0]!r} is still running", "FAILED_PRECONDITION")
         self.version, self.weights_path, self._barrier = version, weights_path, version
+        self._loading = set(self.workers)
         actions: list[Action] = []
         for w in self.workers.values():
             actions += self._stop_drafts(w)
@@ -327,15 +332,16 @@ class SchedulerCore:
         if w is None or w.loading != version:
             return []
         w.loading = None
+        self._loading.discard(worker_id)
         if ok:
             w.version = version
         else:
             w.load_failed = version
         self._set_state(w, self.clock())
-        return self._check_barrier() + self._fill_all()
+        return self._check_barrier() + self._fill(w)
 
     def _check_barrier(self) -> list[Action]:
-        if self._barrier is None or any(w.loading == self._barrier for w in self.workers.values()):
+        if self._barrier is None or self._loading:
             return []
         version, self._barrier = self._barrier, None
         loaded = sum(1 for w in self.workers.values() if w.version == version)
@@ -454,7 +460,7 @@ class SchedulerCore:
         if not any(s.active and s.spec.use_drafts for s in self.steps.values()):
             return []
         actions: list[Action] = []
-        while len(w.drafts) < w.capacity:
+        while len(w.drafts) < min(w.capacity, self.settings.max_draft_jobs_per_worker):
             up = self.planner.pick()
             if up is None:
                 break

@@ -192,3 +192,23 @@ def test_cancel_aborts_running_and_finishes_step():
     assert {a.key for a in of(actions, Abort)} == {a.request.key for a in assigns}
     assert of(actions, StepFinished)
     assert complete(core, assigns[0]) == []
+
+
+def test_dead_worker_releases_its_stopped_draft_jobs():
+    core, _ = make_core()
+    core.add_worker(hello("a", capacity=2))
+    assigns = of(core.submit_step(step("s", 1, lookahead=[(7, 8)])), Assign)
+    drafts = of(complete(core, assigns[0]), StepFinished)
+    assert drafts  # step over: its drafts were stopped, results pending
+    core.submit_step(step("t", 1, lookahead=[(7, 8)]))  # the stopped job is still in flight
+    core.remove_worker("a")
+    assert core.planner.upcoming[(7, 8)].in_flight == 0
+
+
+def test_barrier_completes_when_a_loading_worker_dies():
+    core, _ = make_core()
+    core.add_worker(hello("a"))
+    core.add_worker(hello("b"))
+    core.update_policy(1, "/w1")
+    assert of(core.on_policy_loaded("a", 1, True), PolicyReady) == []
+    assert of(core.remove_worker("b"), PolicyReady) == [PolicyReady(1, 1)]
