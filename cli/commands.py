@@ -108,11 +108,9 @@ class Cluster:
         return f"127.0.0.1:{self.scheduler.grpc_port}"
 
     async def stop(self) -> None:
-        for agent in self.agents:
-            await agent.stop()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        from bubblespec.worker.agent import stop_agents
+
+        await stop_agents(self.agents, self._tasks)
         if self.scheduler is not None:
             await self.scheduler.stop(grace=1.0)
         for engine in self.engines:

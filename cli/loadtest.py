@@ -511,11 +511,9 @@ class _Harness:
             await asyncio.sleep(0.2)
 
     async def stop(self) -> None:
-        for agent in self.agents:
-            await agent.stop()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        from bubblespec.worker.agent import stop_agents
+
+        await stop_agents(self.agents, self._tasks)
         for engine in self.engines:
             await engine.shutdown()
         for store in self.stores:

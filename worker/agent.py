@@ -25,7 +25,7 @@ from bubblespec.client.types import Completion
 from bubblespec.store import DraftEntry, DraftSource, DraftStore, prompt_key
 from bubblespec.worker.engine import Engine, EngineRequest, EngineSettings
 
-__all__ = ["WorkerAgent", "WorkerSettings"]
+__all__ = ["WorkerAgent", "WorkerSettings", "stop_agents"]
 
 logger = logging.getLogger(__name__)
 
@@ -262,3 +262,12 @@ class WorkerAgent:
                 entry = DraftEntry(tuple(tokens), job.policy_version, job.step_id, DraftSource.FUTURE, time.time())
                 await asyncio.shield(self.store.put_draft(prompt_key(prompt), entry))
             self._send(draft_result=pb.DraftResult(job_id=job.job_id, tokens=len(tokens), finished=finished))
+
+
+async def stop_agents(agents: list[WorkerAgent], tasks: list[asyncio.Task]) -> None:
+    """Stop agents and wait for their ``run()`` tasks to end."""
+    for agent in agents:
+        await agent.stop()
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

@@ -23,7 +23,7 @@ from bubblespec.client import AsyncRolloutClient, ClientSettings, Prompt, Retry,
 from bubblespec.scheduler.core.types import Assign, LoadPolicy
 from bubblespec.scheduler.server import Scheduler
 from bubblespec.scheduler.settings import SchedulerSettings
-from bubblespec.worker.agent import WorkerAgent, WorkerSettings
+from bubblespec.worker.agent import WorkerAgent, WorkerSettings, stop_agents
 from bubblespec.worker.tiny_model import perturb_weights
 from tests.factories import generate_request, raw_generate, token_prompts
 from tests.support.proxy import CuttableProxy
@@ -227,11 +227,7 @@ async def test_scheduler_restart_sdk_resumes_with_each_completion_once(cluster, 
         result = await asyncio.wait_for(gen, 300)
         await sdk.close()
     finally:
-        for a in agents:
-            await a.stop()
-        for r in runs:
-            r.cancel()
-        await asyncio.gather(*runs, return_exceptions=True)
+        await stop_agents(agents, runs)
         await first.stop(grace=0)
         if second is not None:
             await second.stop(grace=0)
@@ -262,10 +258,6 @@ async def test_redis_unreachable_from_the_start_steps_stay_exact(cluster, client
                 assert [c.token_ids for c in got.completions] == await greedy_reference(client, steps[s], version)
                 assert got.summary.provenance.accepted("future") == 0
     finally:
-        for a in agents:
-            await a.stop()
-        for r in runs:
-            r.cancel()
-        await asyncio.gather(*runs, return_exceptions=True)
+        await stop_agents(agents, runs)
         await sched.stop(grace=0)
     assert not store.available and store.stats.errors > 0
