@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -131,15 +132,15 @@ def up(a: argparse.Namespace) -> None:
         s = cluster.scheduler
         print(f"BubbleSpec up: gRPC 127.0.0.1:{s.grpc_port}, HTTP http://127.0.0.1:{s.http_port}/ui, "
               f"{a.workers} workers. Ctrl-C to stop.", flush=True)
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         try:
-            await asyncio.Event().wait()
+            await stop.wait()
         finally:
-            await cluster.stop()
+            await cluster.stop()  # also shuts the vLLM engine processes down
 
-    try:
-        asyncio.run(main())
-    except KeyboardInterrupt:
-        pass
+    asyncio.run(main())
 
 
 def bench(a: argparse.Namespace) -> None:

@@ -104,7 +104,6 @@ class RequestDrafter:
         self.accept = rule.prior
         self.stats = RequestStats()
         self._cursor: tuple[int, int] | None = None  # (candidate index, position)
-        self._aligned = True  # cursor set by prefix agreement from the start
         self._seen = 0  # generated tokens already folded into the cursor
         self._last: tuple[str, int] | None = None  # (source, drafted) of the last proposal
 
@@ -158,11 +157,9 @@ class RequestDrafter:
 
     def _search(self, generated: np.ndarray) -> tuple[int, int] | None:
         g = len(generated)
-        if self._aligned:
-            for idx, cand in enumerate(self.candidates):
-                if len(cand.tokens) > g and np.array_equal(cand.tokens[:g], generated):
-                    return idx, g
-            self._aligned = False
+        for idx, cand in enumerate(self.candidates):  # a candidate that agrees with everything so far
+            if len(cand.tokens) > g and np.array_equal(cand.tokens[:g], generated):
+                return idx, g
         for m in range(min(self.match_len, g), 0, -1):  # longest generated suffix that matches
             best = self._nearest(generated[g - m:], g)
             if best is not None:

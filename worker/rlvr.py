@@ -8,15 +8,17 @@ answer after ``#``::
     prompt   a7+b2+c3=
     target   b:7+2=9;c:9+3=12;#12
 
-The labels make "which term comes next" a content lookup (find ``c`` in the prompt) rather
-than a position count, which a model of a few hundred thousand parameters learns in minutes
-on two CPU cores; the step structure then holds for 40 terms as well as for 2, so response
-lengths follow the term count: most responses are short, a few are 10-20x longer, as in RL
-post-training rollouts.
+The labels make "which term comes next" a content look-up (find ``c`` in the prompt) rather
+than a position count, which a half-million-parameter Llama learns in minutes on a CPU; the
+step structure then holds for 40 terms as well as for 2, so response lengths follow the term
+count: most responses are short, a few are 10-20x longer, as in RL post-training rollouts.
+docs/WORKLOAD.md has the measured numbers.
 
     prompts = make_prompts(64, seed=0)
     train_rlvr_model("/tmp/rlvr-model")          # HuggingFace dir, loadable by vLLM
-    reward(prompts[0], "b:7+2=9;c:9+3=12;#12")   # 1.0 if the answer after '#' is right
+    reward("a7+b2+c3=", "b:7+2=9;c:9+3=12;#12")  # 1.0: the answer after '#' is right
+
+    python -m bubblespec.worker.rlvr /tmp/rlvr-model   # accuracy, lengths, token entropy
 
 Torch and transformers are imported inside the functions that need them: the task itself
 (prompts, targets, rewards) is plain Python.
@@ -31,8 +33,8 @@ import random
 import re
 import string
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from bubblespec.worker.tiny_model import TINY_VOCAB, build_tiny_model
@@ -180,7 +182,7 @@ class TrainSettings:
     steps: int = 1500
     """Optimizer steps."""
     hidden_size: int = 128
-    """Model width (a multiple of 64: heads are 64 wide)."""
+    """Model width (a multiple of 64, as build_tiny_model requires)."""
     num_layers: int = 3
     """Transformer layers."""
     head_dim: int = 32
@@ -204,7 +206,7 @@ class TrainSettings:
     """Log the loss every this many steps (0 = never)."""
 
 
-def _batches(seed: int, s: TrainSettings, task: TaskSettings) -> Iterator[list[list[int]]]:
+def _batches(seed: int, s: TrainSettings, task: TaskSettings) -> Iterator[list[list[list[int]]]]:
     """Endless batches of token sequences (prompt + target + EOS), similar lengths together."""
     epoch = 0
     while True:
@@ -288,7 +290,6 @@ def train_rlvr_model(
     *,
     settings: TrainSettings = TrainSettings(),
     task: TaskSettings = TaskSettings(),
-    log: Callable[[str], None] | None = None,
 ) -> dict:
     """Build the tiny Llama at ``path``, train it on the task, save it there; return stats.
 
@@ -298,10 +299,7 @@ def train_rlvr_model(
     import torch
     from transformers import LlamaForCausalLM
 
-    from dataclasses import replace
-
     s = settings if steps is None else replace(settings, steps=steps)
-    log = log or logger.info
     path = Path(path)
     build_tiny_model(path, seed=seed, hidden_size=s.hidden_size, num_layers=s.num_layers,
                      max_len=s.max_len, init_scale=0.02)
@@ -326,8 +324,8 @@ def train_rlvr_model(
             losses.append(loss.item())
             if s.log_every and (step + 1) % s.log_every == 0:
                 recent = losses[-s.log_every:]
-                log(f"step {step + 1}/{s.steps} loss {sum(recent) / len(recent):.4f} "
-                    f"({time.monotonic() - started:.0f}s)")
+                logger.info("step %d/%d loss %.4f (%.0fs)", step + 1, s.steps, sum(recent) / len(recent),
+                            time.monotonic() - started)
         model.eval()
         model.save_pretrained(str(path), safe_serialization=True)
     tail = losses[-max(1, min(50, len(losses))):]
@@ -374,6 +372,8 @@ def sample_responses(model, prompts: Sequence[str], *, temperature: float = 1.0,
 
     model = _load(model)
     limit = model.config.max_position_embeddings
+    sampling = ({"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0
+                else {"do_sample": False})
     out: list[list[int]] = [[] for _ in prompts]
     with _TorchContext(threads), torch.no_grad():
         torch.manual_seed(seed)
@@ -382,10 +382,9 @@ def sample_responses(model, prompts: Sequence[str], *, temperature: float = 1.0,
             width = max(map(len, ids))
             x = torch.tensor([[0] * (width - len(p)) + p for p in ids])
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids])
-            sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 \
-                else dict(do_sample=False)
-            gen = model.generate(input_ids=x, attention_mask=mask, max_new_tokens=min(max_new_tokens or limit,
-                                 limit - width), eos_token_id=EOS_ID, pad_token_id=0, **sampling)
+            budget = min(max_new_tokens or limit, limit - width)
+            gen = model.generate(input_ids=x, attention_mask=mask, max_new_tokens=budget, eos_token_id=EOS_ID,
+                                 pad_token_id=0, **sampling)
             for row, i in zip(gen[:, width:].tolist(), batch):
                 out[i] = row[:row.index(EOS_ID) + 1] if EOS_ID in row else row
     return out
@@ -393,8 +392,6 @@ def sample_responses(model, prompts: Sequence[str], *, temperature: float = 1.0,
 
 def _entropies(model, prompts: Sequence[str], responses: Sequence[Sequence[int]], batch_size: int) -> list[float]:
     """Entropy of the policy at every response position (teacher forcing), all sequences."""
-    import torch
-
     values: list[float] = []
     for batch in _by_length(prompts, batch_size):
         seqs = [(encode(prompts[i]), list(responses[i])) for i in batch if responses[i]]
@@ -443,3 +440,30 @@ def evaluate(model, prompts: Sequence[str], *, temperature: float = 0.0, seed: i
         "lengths": length_stats([len(r) for r in responses]),
         "responses": responses,
     }
+
+
+def _main(argv: Sequence[str] | None = None) -> None:
+    """``python -m bubblespec.worker.rlvr DIR``: accuracy, lengths and entropy of a policy."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=_main.__doc__)
+    p.add_argument("model", help="model directory")
+    p.add_argument("--prompts", type=int, default=256, help="held-out prompts to evaluate")
+    p.add_argument("--seed", type=int, default=777, help="prompt seed (training draws other seeds)")
+    a = p.parse_args(argv)
+    model = _load(a.model)
+    prompts = make_prompts(a.prompts, seed=a.seed)
+    for name, temperature in (("greedy", 0.0), ("temperature 1", 1.0)):
+        r = evaluate(model, prompts, temperature=temperature, seed=1)
+        by_terms = ", ".join(f"{k} terms {acc:.3f} (n={n})" for k, (acc, n) in r["accuracy_by_terms"].items())
+        lengths = ", ".join(f"{k} {r['lengths'][k]:.0f}" for k in ("mean", "p50", "p90", "p95", "p99", "max"))
+        print(f"{name}: accuracy {r['accuracy']:.3f} [{by_terms}]; stopped {r['stopped']:.3f}")
+        print(f"{name}: response tokens {lengths}")
+    entropy = mean_token_entropy(model, prompts, r["responses"])
+    short = [i for i, q in enumerate(prompts) if len(parse_prompt(q)) <= 4]
+    entropy_short = mean_token_entropy(model, [prompts[i] for i in short], [r["responses"][i] for i in short])
+    print(f"mean token entropy at temperature 1: {entropy:.4f} nats (2-4 term prompts: {entropy_short:.4f})")
+
+
+if __name__ == "__main__":
+    _main()

@@ -58,18 +58,45 @@ def test_response_lengths_are_long_tailed():
     assert stats["max"] + 120 <= 1024  # longest prompt + response fits max_model_len
 
 
-def test_train_smoke_writes_a_loadable_model(tmp_path):
+def test_train_smoke_is_deterministic_and_writes_a_loadable_model(tmp_path):
+    import hashlib
+
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     settings = rlvr.TrainSettings(batch_tokens=512, pool_size=64, warmup_steps=2, log_every=0)
-    stats = rlvr.train_rlvr_model(tmp_path / "m", seed=1, steps=3, settings=settings)
-    assert stats["final_loss"] > 0 and stats["parameters"] > 0
-    model = LlamaForCausalLM.from_pretrained(str(tmp_path / "m"), dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(str(tmp_path / "m"))
+    digests = []
+    for name in ("a", "b"):
+        stats = rlvr.train_rlvr_model(tmp_path / name, seed=1, steps=2, settings=settings)
+        assert stats["final_loss"] > 0 and stats["parameters"] > 0
+        digests.append(hashlib.sha256((tmp_path / name / "model.safetensors").read_bytes()).hexdigest())
+    assert digests[0] == digests[1]
+    model = LlamaForCausalLM.from_pretrained(str(tmp_path / "a"), dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "a"))
     assert model.config.head_dim == settings.head_dim and model.config.eos_token_id == rlvr.EOS_ID
     prompt = "a7+b12+c3="
     assert tok.encode(prompt, add_special_tokens=False) == rlvr.encode(prompt)
     [response] = rlvr.sample_responses(model, [prompt], temperature=1.0, max_new_tokens=8)
     assert 1 <= len(response) <= 8
     assert 0.0 < rlvr.mean_token_entropy(model, [prompt], [rlvr.encode(rlvr.target(prompt)) + [rlvr.EOS_ID]])
+
+
+def _grpo_example():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "grpo_trainer.py"
+    spec = importlib.util.spec_from_file_location("grpo_trainer", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_grpo_example_advantages_and_micro_batches():
+    grpo = _grpo_example()
+    adv = grpo.group_advantages(["p", "p", "q", "q"], [1.0, 0.0, 1.0, 1.0])
+    assert adv[0] == pytest.approx(1.0, abs=1e-3) and adv[1] == pytest.approx(-1.0, abs=1e-3)
+    assert adv[2:] == [0.0, 0.0]  # a group with one reward teaches nothing
+    batches = grpo.micro_batches([10, 300, 12, 11, 290], budget=600)
+    assert sorted(i for b in batches for i in b) == [0, 1, 2, 3, 4]
+    assert all(len(b) * max([10, 300, 12, 11, 290][i] for i in b) <= 600 or len(b) == 1 for b in batches)
