@@ -759,7 +759,7 @@ def add_parser(sub, add) -> None:
                        ("median-tokens", "median simulated response length"),
                        ("step-seconds", "simulated engine step with one request running"),
                        ("batch-slope-seconds", "extra simulated step time per further running request"),
-                       ("keep-steps", "finished steps the scheduler keeps (service default: 32)"),
+                       ("keep-steps", "finished steps the scheduler keeps (service default: 4)"),
                        ("policy", "scheduling policy: static | queue | longest-first"),
                        ("update-policy", "push a new policy version before every step"),
                        ("redis-url", "Redis URL ('' = own redis-server if installed, 'memory' = none)"),

@@ -67,6 +67,7 @@ class WorkerState:
     drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # job id -> prompt
     stopping: dict[str, tuple[int, ...]] = field(default_factory=dict)  # stopped, result pending
     tokens_per_second: float = 0.0
+    busy_tokens_per_second: float = 0.0  # last rate reported while it had work (idle rates say nothing)
     state: str = "idle"
     state_since: float = 0.0
     timeline: Timeline = field(default_factory=Timeline)
@@ -172,6 +173,8 @@ class SchedulerCore:
         if w is not None:
             w.last_seen = self.clock()
             w.tokens_per_second = tokens_per_second
+            if w.running and tokens_per_second > 0:
+                w.busy_tokens_per_second = tokens_per_second
 
     def touch(self, worker_id: str) -> None:
         """Any message from a worker proves it is alive."""
@@ -366,14 +369,19 @@ class SchedulerCore:
         return actions
 
     def _rebalance(self, step: StepState, now: float) -> list[Action]:
-        rates = [w.tokens_per_second for w in self.workers.values() if w.running and w.tokens_per_second > 0]
+        """Move queued work off a worker that is slow (throughput under ``straggler_ratio`` of
+        the median) or that still holds queued work while a worker of the step's version idles;
+        move running requests that made no progress for ``stall_seconds``."""
+        rates = [w.busy_tokens_per_second for w in self.workers.values() if w.busy_tokens_per_second > 0]
         median = statistics.median(rates) if rates else 0.0
+        someone_idle = any(not w.running and not w.private and w.loading is None and w.load_failed is None
+                           and w.version == step.spec.policy_version for w in self.workers.values())
         moved: list[str] = []
         actions: list[Action] = []
         for w in self.workers.values():
             slow = (median > 0 and w.running and now - step.started_at > self.settings.straggler_grace_seconds
                     and w.tokens_per_second < self.settings.straggler_ratio * median)
-            if slow:
+            if w.private and (slow or someone_idle):
                 mine = [k for k in w.private if _step_of(k) == step.spec.step_id]
                 w.private = deque(k for k in w.private if _step_of(k) != step.spec.step_id)
                 moved += mine

@@ -212,3 +212,39 @@ def test_barrier_completes_when_a_loading_worker_dies():
     core.update_policy(1, "/w1")
     assert of(core.on_policy_loaded("a", 1, True), PolicyReady) == []
     assert of(core.remove_worker("b"), PolicyReady) == [PolicyReady(1, 1)]
+
+
+def test_queued_work_moves_to_an_idle_worker_under_straggler_watch():
+    core, clock = make_core()
+    core.add_worker(hello("a", capacity=1))
+    core.add_worker(hello("b", capacity=1))
+    assigns = of(core.submit_step(step("s", 6, policy=SchedulingPolicy.STATIC)), Assign)
+    pending = [a for a in assigns if a.worker_id == "a"]
+    while pending:  # a runs through its own share of the split
+        pending = of(complete(core, pending.pop()), Assign)
+    assert len(core.workers["b"].private) == 2  # b, slow, still holds queued work; a idles
+    clock.now = 5
+    moved = of(core.tick(), Assign)
+    assert moved and all(m.worker_id == "a" for m in moved)
+    assert core.steps["s"].moved >= 1
+
+
+def test_without_straggler_watch_static_never_moves_queued_work():
+    core, clock = make_core()
+    core.add_worker(hello("a", capacity=1))
+    core.add_worker(hello("b", capacity=1))
+    assigns = of(core.submit_step(step("s", 6, policy=SchedulingPolicy.STATIC, straggler_watch=False)), Assign)
+    pending = [a for a in assigns if a.worker_id == "a"]
+    while pending:
+        pending = of(complete(core, pending.pop()), Assign)
+    clock.now = 5
+    assert of(core.tick(), Assign) == [] and core.steps["s"].moved == 0
+
+
+def test_length_history_is_bounded_and_holds_no_prompts():
+    core, _ = make_core(max_length_history=3)
+    core.add_worker(hello("a", capacity=8))
+    for a in of(core.submit_step(step("s", 6)), Assign):  # six distinct prompts
+        complete(core, a)
+    assert len(core.lengths) == 3
+    assert all(isinstance(k, int) for k in core.lengths)  # keys are hashes, not token tuples
