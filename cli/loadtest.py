@@ -82,7 +82,7 @@ class LoadSettings:
     batch_slope_seconds: float = 0.0005
     """Extra simulated step time per further running request."""
     keep_steps: int = 2
-    """Finished steps the scheduler keeps for resume (the service default is 32)."""
+    """Finished steps the scheduler keeps for resume (the service default is 4)."""
     policy: str = "queue"
     """Scheduling policy of every step: static | queue | longest-first."""
     update_policy: bool = True
