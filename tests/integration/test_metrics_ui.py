@@ -21,7 +21,7 @@ import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from bubblespec.cli.commands import Cluster  # noqa: F401 (type of Ran.cluster)
-from bubblespec.client import AsyncRolloutClient, SamplingParams, StepResult
+from bubblespec.client import SamplingParams, StepResult
 from bubblespec.worker.tiny_model import perturb_weights
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(1200)]
