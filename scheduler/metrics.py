@@ -25,17 +25,17 @@ import asyncio
 import inspect
 import threading
 import time
-from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from bubblespec.scheduler.core.types import Abort, Action, Assign, Deliver, StepFinished
+from bubblespec.telemetry import Histogram, MetricSpec, family
 
 if TYPE_CHECKING:
     from bubblespec.scheduler.core.state import SchedulerCore, WorkerState
@@ -51,17 +51,6 @@ __all__ = [
     "render",
 ]
 
-MetricKind = Literal["counter", "gauge", "histogram"]
-
-
-@dataclass(frozen=True)
-class MetricSpec:
-    """One exported metric family: its full name (counters with ``_total``), kind, labels, help."""
-
-    name: str
-    kind: MetricKind
-    help: str
-    labels: tuple[str, ...] = ()
 
 
 SCHEDULER_METRICS: tuple[MetricSpec, ...] = (
@@ -113,41 +102,6 @@ _SPECS = {s.name: s for s in SCHEDULER_METRICS}
 
 MAKESPAN_BUCKETS = (1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0)
 WEIGHT_LOAD_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-
-
-class Histogram:
-    """Cumulative bucket counts and a sum; not thread-safe (the owner holds a lock)."""
-
-    def __init__(self, buckets: Iterable[float]):
-        self.bounds = tuple(sorted(buckets))
-        self.counts = [0] * (len(self.bounds) + 1)  # last slot: above the highest bound
-        self.sum = 0.0
-
-    def observe(self, value: float, count: int = 1, total: float | None = None) -> None:
-        """Count ``count`` observations of ``value``; ``total`` overrides the amount added to the sum."""
-        self.counts[bisect_left(self.bounds, value)] += count
-        self.sum += value * count if total is None else total
-
-    def family(self, spec: MetricSpec) -> HistogramMetricFamily:
-        cumulative, running = [], 0
-        for bound, n in zip((*map(_le, self.bounds), "+Inf"), self.counts):
-            running += n
-            cumulative.append((bound, running))
-        return HistogramMetricFamily(spec.name, spec.help, buckets=cumulative, sum_value=self.sum)
-
-
-def _le(bound: float) -> str:
-    return repr(float(bound))
-
-
-def family(spec: MetricSpec, samples: Iterable[tuple[tuple[str, ...], float]]) -> Metric:
-    """A counter or gauge family from ``(label values, value)`` pairs."""
-    base = spec.name.removesuffix("_total") if spec.kind == "counter" else spec.name
-    cls = CounterMetricFamily if spec.kind == "counter" else GaugeMetricFamily
-    fam = cls(base, spec.help, labels=list(spec.labels))
-    for values, value in samples:
-        fam.add_metric(list(values), value)
-    return fam
 
 
 @dataclass

@@ -16,58 +16,15 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from bisect import bisect_left
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from bubblespec.telemetry import Histogram, MetricSpec, family
+
 __all__ = ["DRAFT_STORE_OP_BUCKETS", "WORKER_METRICS", "MetricSpec", "WorkerMetrics", "render"]
-
-
-# The worker and the scheduler never import each other, so these three small helpers mirror
-# those of ``bubblespec.scheduler.metrics``.
-@dataclass(frozen=True)
-class MetricSpec:
-    """One exported metric family: its full name (counters with ``_total``), kind, labels, help."""
-
-    name: str
-    kind: Literal["counter", "gauge", "histogram"]
-    help: str
-    labels: tuple[str, ...] = ()
-
-
-class Histogram:
-    """Cumulative bucket counts and a sum; not thread-safe (the owner holds a lock)."""
-
-    def __init__(self, buckets: Iterable[float]):
-        self.bounds = tuple(sorted(buckets))
-        self.counts = [0] * (len(self.bounds) + 1)
-        self.sum = 0.0
-
-    def observe(self, value: float, count: int = 1, total: float | None = None) -> None:
-        self.counts[bisect_left(self.bounds, value)] += count
-        self.sum += value * count if total is None else total
-
-    def family(self, spec: MetricSpec) -> HistogramMetricFamily:
-        cumulative, running = [], 0
-        for bound, n in zip((*(repr(float(b)) for b in self.bounds), "+Inf"), self.counts):
-            running += n
-            cumulative.append((bound, running))
-        return HistogramMetricFamily(spec.name, spec.help, buckets=cumulative, sum_value=self.sum)
-
-
-def family(spec: MetricSpec, samples: Iterable[tuple[tuple[str, ...], float]]) -> Metric:
-    """A counter or gauge family from ``(label values, value)`` pairs."""
-    base = spec.name.removesuffix("_total") if spec.kind == "counter" else spec.name
-    cls = CounterMetricFamily if spec.kind == "counter" else GaugeMetricFamily
-    fam = cls(base, spec.help, labels=list(spec.labels))
-    for values, value in samples:
-        fam.add_metric(list(values), value)
-    return fam
 
 
 WORKER_METRICS: tuple[MetricSpec, ...] = (
