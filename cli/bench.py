@@ -50,6 +50,11 @@ class BenchConfig:
     max_tokens: int = 480
     update_scale: float = 1e-3
     """Std of the noise added to the weights between steps (stands in for a gradient step)."""
+    lookahead_steps: int = 1
+    """Each step announces the prompts of this many following steps (drafted in its bubbles)."""
+    train_seconds: float = 0.0
+    """Pause between a step's end and the next weight push: the trainer's reward and gradient
+    time, during which synchronous rollout workers have nothing to do (BubbleSpec drafts)."""
     seed: int = 0
 
 
@@ -79,8 +84,10 @@ async def _run_arm(cluster, client, arm: Arm, prompts, weights, cfg: BenchConfig
     sampling = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens)
     for s in range(cfg.steps):
         version = version0 + s
+        if s and cfg.train_seconds > 0:
+            await asyncio.sleep(cfg.train_seconds)  # the trainer computes rewards and gradients
         await client.update_policy(version, weights[s])
-        ahead = prompts[s + 1] if s + 1 < len(prompts) else []
+        ahead = [p for t in range(s + 1, s + 1 + cfg.lookahead_steps) if t < len(prompts) for p in prompts[t]]
         result = await client.generate(f"bench-{arm.name.replace('+', '-')}-{version}", prompts[s], sampling, n=cfg.samples,
                                        policy_version=version, lookahead=ahead, policy=arm.policy,
                                        drafts=arm.drafts, straggler_watch=arm.straggler_watch)
@@ -155,7 +162,7 @@ async def run_bench(cluster, prompts: list[list], base_model: str, cfg: BenchCon
 def bench_prompts(cfg: BenchConfig) -> list[list]:
     from bubblespec.worker.rlvr import make_prompts
 
-    return [make_prompts(cfg.prompts, seed=cfg.seed * 1000 + s) for s in range(cfg.steps + 1)]
+    return [make_prompts(cfg.prompts, seed=cfg.seed * 1000 + s) for s in range(cfg.steps + cfg.lookahead_steps)]
 
 
 RLVR_MODEL_DIR = Path.home() / ".cache" / "bubblespec" / "rlvr-model"
@@ -176,7 +183,8 @@ def main(args) -> None:
     from bubblespec.scheduler.settings import SchedulerSettings
 
     cfg = BenchConfig(steps=3 if args.quick else args.steps, prompts=16 if args.quick else args.prompts,
-                      samples=args.samples, max_tokens=args.max_tokens, seed=args.seed)
+                      samples=args.samples, max_tokens=args.max_tokens, lookahead_steps=args.lookahead_steps,
+                      train_seconds=args.train_seconds, seed=args.seed)
     args.model = args.model or ensure_rlvr_model()
 
     async def go() -> dict:
@@ -191,7 +199,7 @@ def main(args) -> None:
     report = asyncio.run(go())
     print_table(report["summary"])
     print(f"\n{report['workers']} workers, {cfg.steps} steps x {cfg.prompts} prompts x {cfg.samples} samples, "
-          f"medians over steps >= 2; whole run {report['seconds']:.0f}s")
+          f"{cfg.train_seconds:g}s trainer gap, medians over steps >= 2; whole run {report['seconds']:.0f}s")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
         print(f"wrote {args.json}")

@@ -1,4 +1,5 @@
-"""``bubblespec`` command line: scheduler, worker, up, demo, make-tiny-model, bench, simulate.
+"""``bubblespec`` command line: scheduler, worker, up, demo, make-tiny-model, bench, simulate,
+calibrate, loadtest.
 
 Every flag has a ``BUBBLESPEC_<FLAG>`` environment variable (dashes become underscores),
 read here at the entry point only.
@@ -93,10 +94,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add(bench, "prompts", 32, "prompts per step")
     _add(bench, "samples", 2, "samples per prompt")
     _add(bench, "max-tokens", 480, "longest response")
+    _add(bench, "lookahead-steps", 1, "following steps whose prompts each step announces for drafting")
+    _add(bench, "train-seconds", 0.0, "pause between steps standing in for reward + training (drafting goes on)")
     _add(bench, "seed", 0, "workload seed")
     _add(bench, "json", "", "write the report here")
     bench.add_argument("--quick", action="store_true", help="3 steps x 16 prompts (a few minutes)")
     _engine_flags(bench)
+    cal = sub.add_parser("calibrate", help="measure an engine's cost per forward pass (the simulator's cost model)")
+    _add(cal, "repeats", 3, "runs per measured point (median)")
+    _add(cal, "json", "", "write the observations and fitted profile here")
+    _engine_flags(cal)
     tiny = sub.add_parser("make-tiny-model", help="write the tiny Llama test model and tokenizer")
     tiny.add_argument("dir")
     tiny.add_argument("--seed", type=int, default=0)
@@ -128,6 +135,11 @@ def main(argv: list[str] | None = None) -> int:
 
         stats = train_rlvr_model(args.dir, seed=args.seed, steps=args.steps)
         print(f"{stats['path']}: loss {stats['final_loss']:.4f} after {stats['seconds']:.0f}s")
+        return 0
+    if args.command == "calibrate":
+        from bubblespec.cli.calibrate import main as calibrate
+
+        calibrate(args)
         return 0
     if args.command == "loadtest":
         from bubblespec.cli.loadtest import loadtest

@@ -245,7 +245,8 @@ class SchedulerService:
                 listener(worker_id, m.version, m.ok, m.seconds)
             self.execute(core.on_policy_loaded(worker_id, m.version, m.ok))
         elif kind == "draft_result":
-            self.execute(core.on_draft_result(worker_id, msg.draft_result.job_id, msg.draft_result.tokens))
+            self.execute(core.on_draft_result(worker_id, msg.draft_result.job_id, msg.draft_result.tokens,
+                                              msg.draft_result.finished))
         else:
             raise InvalidRequest("kind", f"unexpected worker message {kind!r}")
 

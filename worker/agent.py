@@ -78,7 +78,9 @@ class WorkerAgent:
         self.outbox: asyncio.Queue[pb.WorkerMessage | None] = asyncio.Queue()
         self.tokens_window: list[tuple[float, int]] = []
         self.draft_seconds = 0.0
+        self.draft_tokens: dict[str, int] = {}  # running draft job id -> tokens generated so far
         self.connected = asyncio.Event()
+        self.failed: Exception | None = None  # set when the engine died: run() raises it
         self._stopping = False
 
     # ------------------------------------------------------------ connection --
@@ -112,11 +114,23 @@ class WorkerAgent:
                 delay = self.settings.reconnect_initial_seconds
             await asyncio.sleep(delay)
             delay = min(self.settings.reconnect_max_seconds, delay * 2)
+        if self.failed is not None:
+            raise self.failed
 
     async def stop(self) -> None:
         self._stopping = True
         self.outbox.put_nowait(None)
         await self._drop_all()
+
+    def _check_engine(self) -> None:
+        """After a failed request: if the engine itself is dead, leave the scheduler (which
+        re-queues this worker's work at once) and end ``run()`` with an error, so that the
+        process exits and its supervisor (Kubernetes) starts a fresh one."""
+        if self.failed is None and getattr(self.engine, "dead", False):
+            logger.error("worker %s: the inference engine died; leaving the scheduler", self.worker_id)
+            self.failed = RuntimeError(f"worker {self.worker_id}: the inference engine died")
+            self._stopping = True
+            self.outbox.put_nowait(None)
 
     async def _session(self) -> None:
         self.outbox = asyncio.Queue()
@@ -233,6 +247,7 @@ class WorkerAgent:
             logger.exception("request %s failed", key)
             self.tasks.pop(key, None)
             self._send(aborted=pb.Aborted(request_key=key, reason=str(exc)[:500]))
+            self._check_engine()
 
     async def _remember(self, prompt: tuple[int, ...], c: Completion, step_id: str) -> None:
         if self.store is None or not self.settings.history_drafts:
@@ -253,11 +268,16 @@ class WorkerAgent:
             async for out in self.engine.generate(request):
                 tokens = out.token_ids  # live list until the final output
                 finished = out.finish_reason is not None
+                self.draft_tokens[job.job_id] = len(tokens)
         except asyncio.CancelledError:
             await self.engine.abort(key)
+        except Exception:
+            logger.exception("draft job %s failed", job.job_id)
+            self._check_engine()
         finally:
             self.draft_seconds += time.monotonic() - started
             self.tasks.pop(key, None)
+            self.draft_tokens.pop(job.job_id, None)
             if tokens and self.store is not None:
                 entry = DraftEntry(tuple(tokens), job.policy_version, job.step_id, DraftSource.FUTURE, time.time())
                 await asyncio.shield(self.store.put_draft(prompt_key(prompt), entry))

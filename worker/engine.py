@@ -87,6 +87,10 @@ class EngineOutput:
 class Engine(Protocol):
     info: EngineInfo
 
+    @property
+    def dead(self) -> bool:
+        """The engine failed for good (its worker must be restarted)."""
+
     async def start(self) -> None: ...
     def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]: ...
     async def abort(self, key: str) -> None: ...
@@ -147,6 +151,10 @@ class VllmEngine:
                 raise RuntimeError("the BubbleSpec proposer did not attach to the model runner")
         self.info = EngineInfo(s.model, s.max_model_len, vocab, spec is not None)
         logger.info("vLLM engine ready: model=%s vocab=%d speculation=%s", s.model, vocab, spec is not None)
+
+    @property
+    def dead(self) -> bool:
+        return self._llm is not None and bool(self._llm.errored)
 
     def _params(self, request: EngineRequest):
         from vllm import SamplingParams as VllmParams

@@ -64,6 +64,8 @@ class BubbleSpecProposer:
             min_accept_prob=float(extra.get("min_accept_prob", 0.3)),
         )
         self.runner: Any = None
+        self.vocab_size = vllm_config.model_config.get_vocab_size()
+        self.errors = 0
         self.drafters: dict[str, RequestDrafter] = {}  # by vLLM request id
         self.finished: dict[str, dict] = {}  # stats by BubbleSpec key, until popped
         if vllm_config.device_config.device.type == "cpu" and extra.get("cpu_sampler_fix", True):
@@ -73,9 +75,20 @@ class BubbleSpecProposer:
         """Nothing to load: drafts come from the requests."""
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, **_: Any):
+        """One list of draft token ids per batch row. Drafts are an optimisation: an error here
+        must never take the engine down, so it costs this step its drafts and is logged."""
         batch = self.runner.input_batch if self.runner is not None else None
         if batch is None:
             return [[] for _ in sampled_token_ids]
+        try:
+            return self._propose(batch, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        except Exception:
+            self.errors += 1
+            if self.errors <= 3 or self.errors % 1000 == 0:
+                logger.exception("BubbleSpec proposer failed (%d so far); this step runs without drafts", self.errors)
+            return [[] for _ in sampled_token_ids]
+
+    def _propose(self, batch, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
         req_ids = list(batch.req_ids)
         cap = self.rule.batch_cap(len(req_ids))
         rows = {rid: i for i, rid in enumerate(req_ids)}
@@ -111,7 +124,7 @@ class BubbleSpecProposer:
         extra = (params.extra_args or {}).get(EXTRA_KEY) if params is not None else None
         if not extra or not extra.get("enabled", True):
             return None
-        cands = [Candidate(src, np.frombuffer(raw, dtype="<u4").astype(np.int64))
+        cands = [Candidate(src, _valid_prefix(np.frombuffer(raw, dtype="<u4").astype(np.int64), self.vocab_size))
                  for src, raw in extra.get("drafts", [])]
         prompt = tuple(state.prompt_token_ids or ())
         drafter = RequestDrafter(cands, self.rule, key=extra["key"],
@@ -133,6 +146,13 @@ class BubbleSpecProposer:
         for rid in [r for r, d in self.drafters.items() if d.key in wanted]:
             self._retire(rid)
         return {k: self.finished.pop(k) for k in keys if k in self.finished}
+
+
+def _valid_prefix(tokens: np.ndarray, vocab_size: int) -> np.ndarray:
+    """``tokens`` up to the first id the model does not have (a draft store shared with
+    another model, a corrupt entry): vLLM would index past its logits with it."""
+    bad = np.flatnonzero(tokens >= vocab_size)
+    return tokens[: bad[0]] if len(bad) else tokens
 
 
 class BubbleSpecWorkerExtension:

@@ -109,6 +109,7 @@ class SimulatedEngine:
         self.weights_path = ""
         """Path of the last ``load_weights`` call (recorded, never read)."""
         self.loads = 0
+        self.died = False
         self.engine_steps = 0
         """Engine steps run so far (one token for every running request each)."""
         self._rng = random.Random(settings.seed)
@@ -121,6 +122,16 @@ class SimulatedEngine:
     def num_running(self) -> int:
         return len(self._running)
 
+    @property
+    def dead(self) -> bool:
+        return self.died
+
+    def kill(self) -> None:
+        """Fail for good, as a crashed vLLM engine does: every request errors, now and later."""
+        self.died = True
+        for run in [*self._running.values(), *self._waiting]:
+            run.wake.set()
+
     async def start(self) -> None:
         if self._loop is None:
             self._loop = asyncio.create_task(self._step_loop(), name="simulated-engine-steps")
@@ -130,6 +141,8 @@ class SimulatedEngine:
         final output (tuples, ``finish_reason`` set). An aborted request ends without one."""
         if self._loop is None:
             raise RuntimeError("engine not started")
+        if self.died:
+            raise RuntimeError("engine died")
         run = self._new_run(request)
         self._waiting.append(run)
         self._work.set()
@@ -137,6 +150,8 @@ class SimulatedEngine:
             while True:
                 await run.wake.wait()
                 run.wake.clear()
+                if self.died:
+                    raise RuntimeError("engine died")
                 if run.aborted:
                     return
                 if run.reason is not None:

@@ -1,7 +1,11 @@
 """Draft planning: which upcoming prompt an idle worker should pre-generate next.
 
-Value order: prompts with fewer drafts first, then prompts predicted long first (long
+Value order: prompts with fewer complete drafts first, then prompts predicted long first (long
 responses are where speculation saves the most forward passes), then announcement order.
+A prompt stops being planned once it has the drafts it can use: one under greedy decoding
+(every sample is the same response), ``n`` when sampling. A draft job that was stopped
+half-way leaves a partial draft and the prompt stays planned; the next job for it is itself
+drafted by that partial, so it catches up in few forward passes.
 A heap with lazy invalidation keeps each pick O(log n) for the simulator's scale.
 """
 
@@ -24,8 +28,14 @@ class Upcoming:
     sampling: SamplingParams
     for_step: str
     drafts: int = 0
+    """Complete drafts (the job ran to the end of the response)."""
     in_flight: int = 0
     predicted_len: float = 0.0
+
+    @property
+    def wanted(self) -> int:
+        """Complete drafts worth making: under greedy decoding every sample is the same."""
+        return 1 if self.sampling.temperature == 0 else max(1, self.sampling.n)
 
 
 class DraftPlanner:
@@ -53,18 +63,21 @@ class DraftPlanner:
             up = self.upcoming.get(key)
             if up is None or up.in_flight or (up.drafts + up.in_flight, -up.predicted_len) != (covered, neg_len):
                 continue  # stale entry
+            if up.drafts >= up.wanted:
+                continue
             up.in_flight += 1
             return up
         return None
 
-    def done(self, token_ids: tuple[int, ...], produced: bool) -> None:
+    def done(self, token_ids: tuple[int, ...], complete: bool) -> None:
         up = self.upcoming.get(token_ids)
         if up is None:
             return
         up.in_flight = max(0, up.in_flight - 1)
-        if produced:
+        if complete:
             up.drafts += 1
-        self._push(token_ids)
+        if up.drafts < up.wanted:
+            self._push(token_ids)
 
     def coverage(self) -> tuple[int, int]:
         """(prompts with at least one draft, prompts announced)."""

@@ -119,9 +119,11 @@ class SchedulerCore:
         self.limits: ModelLimits | None = None
         self.planner = DraftPlanner()
         self.lengths: dict[int, float] = {}  # _length_key(prompt) -> running mean of response lengths
+        self.length_ratio = 0.0  # running mean of response length / prompt length, for unseen prompts
         self._barrier: int | None = None
         self._loading: set[str] = set()  # workers the barrier still waits for
         self._jobs = itertools.count()
+        self._drafts_wanted = False  # the latest step asked for drafts of its lookahead
 
     # ------------------------------------------------------------- workers --
 
@@ -165,7 +167,7 @@ class SchedulerCore:
                 step.shared.appendleft(key)
                 step.requeued += 1
         for prompt in (*w.drafts.values(), *w.stopping.values()):
-            self.planner.done(prompt, produced=False)
+            self.planner.done(prompt, complete=False)
         return self._check_barrier() + self._fill_all()
 
     def heartbeat(self, worker_id: str, tokens_per_second: float) -> None:
@@ -212,6 +214,7 @@ class SchedulerCore:
         if spec.policy is SchedulingPolicy.LONGEST_FIRST:
             order.sort(key=lambda k: -self._predicted(reqs[k].spec.prompt_token_ids))
         self.steps[spec.step_id] = step
+        self._drafts_wanted = spec.use_drafts
         live = [w for w in self.workers.values() if w.load_failed is None]
         if spec.policy is SchedulingPolicy.STATIC and live:
             for i, keys in enumerate(_split(order, len(live))):
@@ -235,6 +238,7 @@ class SchedulerCore:
     def forget_history(self) -> None:
         """Drop length history and announced prompts (benchmarks compare arms from scratch)."""
         self.lengths.clear()
+        self.length_ratio = 0.0
         self.planner = DraftPlanner()
 
     def cancel_step(self, step_id: str) -> list[Action]:
@@ -290,9 +294,16 @@ class SchedulerCore:
         self.lengths[key] = 0.5 * previous + 0.5 * length
         if len(self.lengths) > self.settings.max_length_history:
             del self.lengths[next(iter(self.lengths))]
+        ratio = length / max(1, len(prompt))
+        self.length_ratio = ratio if not self.length_ratio else 0.95 * self.length_ratio + 0.05 * ratio
 
     def _predicted(self, prompt: tuple[int, ...]) -> float:
-        return self.lengths.get(_length_key(prompt), 0.0)
+        """Expected response length: the prompt's own history, else (a prompt never seen) its
+        length times the running response/prompt length ratio. The fallback only orders
+        unseen prompts by length, which predicts response length on many tasks (a longer
+        problem statement, a longer solution) and costs nothing where it does not."""
+        known = self.lengths.get(_length_key(prompt))
+        return known if known is not None else self.length_ratio * len(prompt)
 
     def on_aborted(self, worker_id: str, key: str) -> list[Action]:
         """The worker could not run the request: give it to someone else."""
@@ -306,12 +317,14 @@ class SchedulerCore:
         step.requeued += 1
         return self._fill_all()
 
-    def on_draft_result(self, worker_id: str, job_id: str, tokens: int) -> list[Action]:
+    def on_draft_result(self, worker_id: str, job_id: str, tokens: int, finished: bool = True) -> list[Action]:
+        """A draft job ended: ``finished`` when its response ran to the end, else it was
+        stopped (or failed) after ``tokens`` tokens; its partial draft is kept all the same."""
         w = self.workers.get(worker_id)
         if w is None or (job_id not in w.drafts and job_id not in w.stopping):
             return []
         prompt = w.drafts.pop(job_id, None) or w.stopping.pop(job_id)
-        self.planner.done(prompt, produced=tokens > 0)  # partial drafts of stopped jobs count
+        self.planner.done(prompt, complete=finished and tokens > 0)
         self._set_state(w, self.clock())
         return self._fill(w)
 
@@ -470,7 +483,7 @@ class SchedulerCore:
     def _plan_drafts(self, w: WorkerState) -> list[Action]:
         if not (self.settings.drafting and w.hello.speculation and w.version == self.version):
             return []
-        if not any(s.active and s.spec.use_drafts for s in self.steps.values()):
+        if not self._drafts_wanted:  # drafting goes on after the step, until the next policy
             return []
         actions: list[Action] = []
         while len(w.drafts) < min(w.capacity, self.settings.max_draft_jobs_per_worker):
@@ -505,12 +518,9 @@ class SchedulerCore:
             drafting_worker_seconds=step.drafting, requests_moved=step.moved,
             requests_requeued=step.requeued,
         )
-        actions: list[Action] = []
-        if not any(s.active for s in self.steps.values()):
-            for w in self.workers.values():
-                actions += self._stop_drafts(w)
-                self._set_state(w, now)
-        return actions + [StepFinished(step.spec.step_id, step.summary)]
+        # Draft jobs go on through the trainer's gap between steps (reward, training): the
+        # workers idle there anyway. ``update_policy`` or the next step's work stops them.
+        return [StepFinished(step.spec.step_id, step.summary)]
 
     def _trim_steps(self) -> None:
         done = [sid for sid, s in self.steps.items() if not s.active]

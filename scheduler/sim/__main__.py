@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="log-space spread of a sample (and a draft) around its prompt's scale")
     p.add_argument("--accept-future", type=float, default=0.7, help="per-token acceptance of future drafts")
     p.add_argument("--train-seconds", type=float, default=0.0,
-                   help="simulated time between steps (reward + training); drafts stop at step end")
+                   help="simulated time between steps (reward + training); idle workers draft through it")
     p.add_argument("--seed", type=int, default=0)
     return p
 

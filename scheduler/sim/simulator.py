@@ -82,8 +82,9 @@ class SimSettings:
     """A finished sample becomes a ``history`` draft for samples of its prompt that start later
     (the worker agent stores every completion as one)."""
     train_seconds: float = 0.0
-    """Simulated time between a step's end and the next step (reward + training). The core
-    stops draft jobs when no step is running, so the workers idle through it."""
+    """Simulated time between a step's end and the next step (reward + training). Idle workers
+    go on drafting the next step's prompts through it, until the next step's work (or
+    ``update_policy``) preempts them."""
     policy_updates: bool = False
     """Between steps, call ``update_policy`` and report every worker's load (the RL weight
     push). Off by default: the core's barrier is O(workers^2) today (see docs/SIMULATOR.md)."""
@@ -366,7 +367,7 @@ class _Simulation:
         while self.outbox:  # results of stopped draft jobs reach the core after the stop
             results, self.outbox = self.outbox, []
             for wid, job_id, tokens in results:
-                self._execute(self.core.on_draft_result(wid, job_id, tokens))
+                self._execute(self.core.on_draft_result(wid, job_id, tokens, finished=False))
         for wid in self.dirty:
             eng = self.engines[wid]
             t = eng.commit(self.now)

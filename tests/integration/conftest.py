@@ -64,3 +64,13 @@ async def reference_engine(tiny_model):
     await engine.start()
     yield engine
     await engine.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _shared_engines_survive(request):
+    """Fail the test during which a shared engine died (its captured output holds the engine's
+    traceback), instead of the tests after it failing one by one for no visible reason."""
+    yield
+    if "cluster" in request.fixturenames:
+        dead = [i for i, engine in enumerate(request.getfixturevalue("cluster").engines) if engine.dead]
+        assert not dead, f"shared engine(s) {dead} died during this test"

@@ -153,12 +153,14 @@ async def test_draft_job_yields_at_once_to_current_work(cluster, client):
     ahead = token_prompts(8, seed=92)
     a = asyncio.create_task(client.generate("yield-a", a_prompts, long_sp, policy_version=v, lookahead=ahead,
                                             policy=SchedulingPolicy.QUEUE))
-    for _ in range(3000):
-        drafting = [w for w in core.workers.values() if w.drafts and not w.running]
+    agents = {ag.worker_id: ag for ag in cluster.agents}
+    for _ in range(6000):  # a worker drafts in the bubble, and its draft has tokens to keep
+        drafting = [w for w in core.workers.values() if w.drafts and not w.running
+                    and any(agents[w.hello.worker_id].draft_tokens.values())]
         if drafting:
             break
         await asyncio.sleep(0.01)
-    assert drafting, "no worker started drafting in the bubble"
+    assert drafting, "no worker drafted in the bubble"
     worker = drafting[0].hello.worker_id
     b = await client.generate("yield-b", token_prompts(4, seed=93), SamplingParams(temperature=0, max_tokens=4),
                               policy_version=v)

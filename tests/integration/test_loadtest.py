@@ -128,3 +128,46 @@ async def test_small_loadtest_delivers_every_completion_once():
     assert s["completions"] == s["metrics_completions_total"] == 3 * per_step
     assert s["duplicates"] == s["missing"] == 0 and s["completions_per_second"] > 0
     assert s["worker_store"]["ops"] > 0 and s["redis"]["keys"] > 0
+
+
+@pytest.mark.timeout(120)
+async def test_worker_whose_engine_died_leaves_and_its_work_is_done_elsewhere():
+    from bubblespec.client import AsyncRolloutClient, Prompt
+    from bubblespec.scheduler.server import Scheduler
+    from bubblespec.scheduler.settings import SchedulerSettings
+    from bubblespec.worker.agent import WorkerAgent, WorkerSettings, stop_agents
+
+    sched = Scheduler(SchedulerSettings(host="127.0.0.1", grpc_port=0, http_port=-1))
+    await sched.start()
+    slow = SimEngineSettings(**{**FAST.__dict__, "step_seconds": 0.02, "median_tokens": 40})
+    engines = [SimulatedEngine(slow), SimulatedEngine(slow)]
+    for e in engines:
+        await e.start()
+    agents = [WorkerAgent(WorkerSettings(scheduler=f"127.0.0.1:{sched.grpc_port}", worker_id=f"w{i}",
+                                         reconnect_max_seconds=0.2), e) for i, e in enumerate(engines)]
+    runs = [asyncio.create_task(a.run()) for a in agents]
+    try:
+        for _ in range(200):
+            if len(sched.core.workers) == 2:
+                break
+            await asyncio.sleep(0.05)
+        prompts = [Prompt(f"p{i}", token_ids=(5, 6, i + 7)) for i in range(16)]
+        async with AsyncRolloutClient(f"127.0.0.1:{sched.grpc_port}") as client:
+            gen = asyncio.create_task(client.generate("s", prompts, SamplingParams(temperature=0, max_tokens=64),
+                                                      policy_version=0))
+            for _ in range(200):
+                if sched.core.workers["w0"].running:
+                    break
+                await asyncio.sleep(0.01)
+            engines[0].kill()  # its running requests fail, as on a crashed vLLM engine
+            with pytest.raises(RuntimeError, match="engine died"):
+                await asyncio.wait_for(runs[0], 30)
+            result = await asyncio.wait_for(gen, 60)
+        assert "w0" not in sched.core.workers, "the worker with a dead engine is still registered"
+        assert sorted(c.prompt_id for c in result.completions) == sorted(p.prompt_id for p in prompts)
+        assert len(result.completions) == len(prompts)
+    finally:
+        await stop_agents(agents, runs)
+        await sched.stop(grace=0)
+        for e in engines:
+            await e.shutdown()

@@ -198,11 +198,39 @@ def test_dead_worker_releases_its_stopped_draft_jobs():
     core, _ = make_core()
     core.add_worker(hello("a", capacity=2))
     assigns = of(core.submit_step(step("s", 1, lookahead=[(7, 8)])), Assign)
-    drafts = of(complete(core, assigns[0]), StepFinished)
-    assert drafts  # step over: its drafts were stopped, results pending
-    core.submit_step(step("t", 1, lookahead=[(7, 8)]))  # the stopped job is still in flight
-    core.remove_worker("a")
-    assert core.planner.upcoming[(7, 8)].in_flight == 0
+    assert of(complete(core, assigns[0]), StartDraft)  # drafting in the gap after the step
+    assert of(core.submit_step(step("t", 1, lookahead=[(9, 9)])), StopDraft)  # new work preempts it
+    assert core.workers["a"].stopping and core.planner.upcoming[(7, 8)].in_flight == 1
+    core.remove_worker("a")  # the stopped job's result never comes
+    assert all(up.in_flight == 0 for up in core.planner.upcoming.values())
+
+
+def test_drafting_goes_on_through_the_gap_until_the_next_policy():
+    core, _ = make_core()
+    core.add_worker(hello("a", capacity=4))
+    assigns = of(core.submit_step(step("s", 1, lookahead=[(7, 8), (9, 10)])), Assign)
+    finished = complete(core, assigns[0])
+    assert of(finished, StepFinished)
+    started = of(finished, StartDraft)
+    assert {d.job.prompt_token_ids for d in started} == {(7, 8), (9, 10)}
+    # a stopped job leaves a partial draft: its prompt is planned again
+    stop = of(core.update_policy(1, "/w1"), StopDraft)
+    assert {s.job_id for s in stop} == {d.job.job_id for d in started}
+    assert core.on_draft_result("a", started[0].job.job_id, tokens=5, finished=False) == []  # still loading
+    core.on_draft_result("a", started[1].job.job_id, tokens=9, finished=True)
+    again = of(core.on_policy_loaded("a", 1, True), StartDraft)
+    assert [d.job.prompt_token_ids for d in again] == [started[0].job.prompt_token_ids]
+    assert again[0].job.policy_version == 1
+    # greedy: one complete draft per prompt is all a step can use
+    core.on_draft_result("a", again[0].job.job_id, tokens=9, finished=True)
+    assert core.planner.pick() is None
+
+
+def test_no_drafting_when_the_latest_step_asked_for_none():
+    core, _ = make_core()
+    core.add_worker(hello("a", capacity=4))
+    assigns = of(core.submit_step(step("s", 1, lookahead=[(7, 8)], use_drafts=False)), Assign)
+    assert of(complete(core, assigns[0]), StartDraft) == []
 
 
 def test_barrier_completes_when_a_loading_worker_dies():

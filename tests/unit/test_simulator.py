@@ -227,14 +227,24 @@ def test_time_between_steps_passes_without_losing_workers() -> None:
     assert r.steps[1].summary.requests_requeued == 0  # no worker was declared dead in the gap
 
 
+def test_drafting_through_the_trainer_gap_covers_more_of_the_next_step() -> None:
+    without = run("queue", True, settings=SimSettings(capacity=8, samples=4))
+    with_gap = run("queue", True, settings=SimSettings(capacity=8, samples=4, train_seconds=45.0))
+    assert with_gap.steps[1].with_future_draft > without.steps[1].with_future_draft
+    assert with_gap.steps[1].summary.forward_passes_per_token < without.steps[1].summary.forward_passes_per_token
+
+
 def test_stopped_draft_jobs_report_their_partial_result_to_the_core() -> None:
     sim = _Simulation(SchedulingPolicy.QUEUE, 16, 128, GPU_H100_7B, True, 0, SHORT, AcceptanceModel(),
                       SimSettings(capacity=64, samples=4))
-    first = sim.run_step(0)  # the step's end stops every draft job still running
+    first = sim.run_step(0)
     assert first.draft_jobs > 0
-    assert all(not w.drafts and not w.stopping for w in sim.core.workers.values())
-    assert not any(up.in_flight for up in sim.core.planner.upcoming.values())
-    assert all(e.idle for e in sim.engines.values())
+    before = {job for w in sim.core.workers.values() for job in w.drafts}
+    assert before, "drafting stopped at the step's end instead of going on through the gap"
+    sim.update_policy()  # the weight push stops every draft job made under the old policy
+    after = {job for w in sim.core.workers.values() for job in (*w.drafts, *w.stopping)}
+    assert not before & after
+    assert sum(up.in_flight for up in sim.core.planner.upcoming.values()) == len(after)
 
 
 def test_silent_workers_are_disconnected_and_a_stuck_step_is_reported() -> None:

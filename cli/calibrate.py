@@ -1,0 +1,139 @@
+"""``bubblespec calibrate``: measure one engine's cost per forward pass, for the simulator.
+
+The simulator's cost model (``bubblespec.scheduler.sim.costs``) charges a forward pass
+
+    base + per_seq * batch + per_draft_token * draft tokens + prefill_per_token * prompt tokens
+
+This command measures those four constants on a real engine. It times batches of ``B``
+requests that each decode exactly ``L`` tokens (``ignore_eos``, greedy), for several ``B``:
+
+* without drafts: every pass decodes one token per request;
+* with perfect drafts (each request's own response, computed first), so every draft token is
+  accepted and each pass verifies about ``num_speculative_tokens`` of them per request;
+* one long prompt against one short prompt, with a single output token, for prefill.
+
+Seconds per pass (wall time over forward passes, so everything a pass costs the service is
+in it) are fitted by least squares; a negative constant is clipped to 0. The result prints as
+a ``CostProfile`` to paste into ``costs.py`` (or pass to ``bubblespec simulate --profile-json``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+__all__ = ["CalibrationConfig", "calibrate", "fit"]
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    batches: tuple[int, ...] = (1, 4, 16, 48)
+    """Batch sizes measured."""
+    decode_tokens: int = 96
+    """Tokens each request decodes (L)."""
+    prompt_tokens: int = 16
+    """Prompt length of the decode runs."""
+    long_prompt_tokens: int = 512
+    """Prompt length of the prefill run."""
+    repeats: int = 3
+    """Runs per point; the median is fitted."""
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Observation:
+    batch: int
+    draft_tokens_per_pass: float
+    prefill_tokens_per_pass: float
+    seconds_per_pass: float
+
+
+def fit(obs: list[Observation]) -> dict[str, float]:
+    """Least-squares fit of the linear cost model; constants clipped at 0."""
+    import numpy as np
+
+    a = np.array([[1.0, o.batch, o.draft_tokens_per_pass, o.prefill_tokens_per_pass] for o in obs])
+    y = np.array([o.seconds_per_pass for o in obs])
+    coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+    names = ("base_seconds", "per_seq_seconds", "per_draft_token_seconds", "prefill_per_token_seconds")
+    return {n: max(0.0, float(c)) for n, c in zip(names, coef)}
+
+
+async def _timed(engine, prompts, max_tokens: int, drafts=None, tag: str = "c") -> tuple[float, list]:
+    from bubblespec.client.types import SamplingParams
+    from bubblespec.worker.engine import EngineRequest
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+    async def one(i: int, p: tuple[int, ...]):
+        d = (("future", drafts[i]),) if drafts else ()
+        final = None
+        async for out in engine.generate(EngineRequest(f"{tag}-{time.time_ns()}-{i}", p, sp, d, bool(drafts))):
+            final = out
+        return final
+
+    started = time.perf_counter()
+    outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    return time.perf_counter() - started, list(outs)
+
+
+async def calibrate(engine, cfg: CalibrationConfig = CalibrationConfig(), log=print) -> dict:
+    """Measure ``engine`` (started, speculation on); return observations and the fitted profile."""
+    rng = random.Random(cfg.seed)
+    vocab = engine.info.vocab_size
+    prompt = lambda n: tuple(rng.randrange(4, vocab) for _ in range(n))  # noqa: E731
+    await _timed(engine, [prompt(cfg.prompt_tokens) for _ in range(4)], 16, tag="warm")
+    obs: list[Observation] = []
+    for b in cfg.batches:
+        prompts = [prompt(cfg.prompt_tokens) for _ in range(b)]
+        for mode in ("plain", "drafted"):
+            runs = []
+            drafts = None
+            for r in range(cfg.repeats):
+                if mode == "drafted" and drafts is None:
+                    _, outs = await _timed(engine, prompts, cfg.decode_tokens, tag="ref")
+                    drafts = [o.token_ids for o in outs]
+                seconds, outs = await _timed(engine, prompts, cfg.decode_tokens, drafts, tag=f"{mode}{b}-{r}")
+                passes = max(o.provenance.forward_passes for o in outs)
+                drafted = sum(o.provenance.drafted() for o in outs)
+                runs.append((seconds / passes, drafted / passes, b * cfg.prompt_tokens / passes))
+            per_pass, per_draft, prefill = (statistics.median(x[i] for x in runs) for i in range(3))
+            obs.append(Observation(b, per_draft, prefill, per_pass))
+            log(f"  batch {b:3d} {mode:>7}: {1e3 * per_pass:6.2f} ms/pass, {per_draft:6.1f} draft tokens/pass")
+    for n in (cfg.prompt_tokens, cfg.long_prompt_tokens):
+        runs = [(await _timed(engine, [prompt(n)], 1, tag=f"prefill{n}"))[0] for _ in range(cfg.repeats)]
+        obs.append(Observation(1, 0.0, float(n), statistics.median(runs)))  # one pass: prefill + 1 token
+        log(f"  prompt {n:4d} tokens: {1e3 * statistics.median(runs):6.2f} ms for prefill + 1 token")
+    return {"config": asdict(cfg), "observations": [asdict(o) for o in obs], "profile": fit(obs)}
+
+
+def main(args) -> None:
+    from pathlib import Path
+
+    from bubblespec.cli.commands import _engine_settings, ensure_tiny_model
+    from bubblespec.worker.engine import VllmEngine
+
+    args.model = args.model or ensure_tiny_model()
+    settings = _engine_settings(args)
+
+    async def go() -> dict:
+        engine = VllmEngine(settings)
+        await engine.start()
+        try:
+            return await calibrate(engine, CalibrationConfig(repeats=args.repeats))
+        finally:
+            await engine.shutdown()
+
+    report = asyncio.run(go())
+    p = report["profile"]
+    print("\nCostProfile(")
+    for name, value in p.items():
+        print(f"    {name}={value:.3e},")
+    print(")")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
