@@ -48,6 +48,9 @@ class BenchConfig:
     prompts: int = 32
     samples: int = 2
     max_tokens: int = 480
+    ignore_eos: bool = False
+    """Decode every response to its ``max_tokens`` (per prompt, if the prompts say): a workload
+    whose lengths are set by the caller (tests) rather than by the model."""
     update_scale: float = 1e-3
     """Std of the noise added to the weights between steps (stands in for a gradient step)."""
     lookahead_steps: int = 1
@@ -81,7 +84,7 @@ async def _run_arm(cluster, client, arm: Arm, prompts, weights, cfg: BenchConfig
         agent.store = store
     cluster.scheduler.core.forget_history()
     rows, outputs = [], []
-    sampling = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens)
+    sampling = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens, ignore_eos=cfg.ignore_eos)
     for s in range(cfg.steps):
         version = version0 + s
         if s and cfg.train_seconds > 0:
@@ -148,11 +151,16 @@ async def run_bench(cluster, prompts: list[list], base_model: str, cfg: BenchCon
         for s in range(cfg.steps):  # the same weight sequence for every arm
             current = str(perturb_weights(current, Path(tmp) / f"w{s}", scale=cfg.update_scale, seed=cfg.seed + s))
             weights.append(current)
-        async with AsyncRolloutClient(cluster.target) as client:
-            for arm in ARMS:
-                version0 = cluster.scheduler.core.version + 1
-                arm_rows, outputs[arm.name] = await _run_arm(cluster, client, arm, prompts, weights, cfg, version0)
-                rows += arm_rows
+        stores = [agent.store for agent in cluster.agents]
+        try:
+            async with AsyncRolloutClient(cluster.target) as client:
+                for arm in ARMS:
+                    version0 = cluster.scheduler.core.version + 1
+                    arm_rows, outputs[arm.name] = await _run_arm(cluster, client, arm, prompts, weights, cfg, version0)
+                    rows += arm_rows
+        finally:
+            for agent, store in zip(cluster.agents, stores):
+                agent.store = store
     exact = {arm: outputs[arm] == outputs["baseline"] for arm in outputs}
     table = summarize(rows, exact)
     return {"config": cfg.__dict__, "workers": len(cluster.agents), "seconds": time.monotonic() - started,

@@ -13,7 +13,7 @@ requests that each decode exactly ``L`` tokens (``ignore_eos``, greedy), for sev
 * one long prompt against one short prompt, with a single output token, for prefill.
 
 Seconds per pass (wall time over forward passes, so everything a pass costs the service is
-in it) are fitted by least squares; a negative constant is clipped to 0. The result prints as
+in it) are fitted by least squares (see ``fit``); a negative constant is clipped to 0. The result prints as
 a ``CostProfile`` to paste into ``costs.py`` (or pass to ``bubblespec simulate --profile-json``).
 """
 
@@ -50,17 +50,30 @@ class Observation:
     draft_tokens_per_pass: float
     prefill_tokens_per_pass: float
     seconds_per_pass: float
+    kind: str = "decode"
+    """``decode`` (a run of many passes) or ``prefill`` (one pass: prompt in, one token out)."""
 
 
 def fit(obs: list[Observation]) -> dict[str, float]:
-    """Least-squares fit of the linear cost model; constants clipped at 0."""
+    """Fit the linear cost model; constants clipped at 0.
+
+    Prefill comes from the two ``prefill`` observations (a long and a short prompt): the
+    difference in time over the difference in prompt tokens, so the per-request overhead
+    both share cancels. The other three constants come from a least-squares fit of the
+    ``decode`` observations, less their (amortised) prefill."""
     import numpy as np
 
-    a = np.array([[1.0, o.batch, o.draft_tokens_per_pass, o.prefill_tokens_per_pass] for o in obs])
-    y = np.array([o.seconds_per_pass for o in obs])
+    pre = sorted((o for o in obs if o.kind == "prefill"), key=lambda o: o.prefill_tokens_per_pass)
+    prefill = 0.0
+    if len(pre) >= 2 and pre[-1].prefill_tokens_per_pass > pre[0].prefill_tokens_per_pass:
+        prefill = max(0.0, (pre[-1].seconds_per_pass - pre[0].seconds_per_pass)
+                      / (pre[-1].prefill_tokens_per_pass - pre[0].prefill_tokens_per_pass))
+    dec = [o for o in obs if o.kind == "decode"]
+    a = np.array([[1.0, o.batch, o.draft_tokens_per_pass] for o in dec])
+    y = np.array([o.seconds_per_pass - prefill * o.prefill_tokens_per_pass for o in dec])
     coef, *_ = np.linalg.lstsq(a, y, rcond=None)
-    names = ("base_seconds", "per_seq_seconds", "per_draft_token_seconds", "prefill_per_token_seconds")
-    return {n: max(0.0, float(c)) for n, c in zip(names, coef)}
+    names = ("base_seconds", "per_seq_seconds", "per_draft_token_seconds")
+    return {**{n: max(0.0, float(c)) for n, c in zip(names, coef)}, "prefill_per_token_seconds": prefill}
 
 
 async def _timed(engine, prompts, max_tokens: int, drafts=None, tag: str = "c") -> tuple[float, list]:
@@ -106,7 +119,7 @@ async def calibrate(engine, cfg: CalibrationConfig = CalibrationConfig(), log=pr
             log(f"  batch {b:3d} {mode:>7}: {1e3 * per_pass:6.2f} ms/pass, {per_draft:6.1f} draft tokens/pass")
     for n in (cfg.prompt_tokens, cfg.long_prompt_tokens):
         runs = [(await _timed(engine, [prompt(n)], 1, tag=f"prefill{n}"))[0] for _ in range(cfg.repeats)]
-        obs.append(Observation(1, 0.0, float(n), statistics.median(runs)))  # one pass: prefill + 1 token
+        obs.append(Observation(1, 0.0, float(n), statistics.median(runs), kind="prefill"))
         log(f"  prompt {n:4d} tokens: {1e3 * statistics.median(runs):6.2f} ms for prefill + 1 token")
     return {"config": asdict(cfg), "observations": [asdict(o) for o in obs], "profile": fit(obs)}
 

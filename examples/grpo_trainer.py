@@ -20,6 +20,7 @@ plain on-policy policy gradient.
 from __future__ import annotations
 
 import argparse
+import math
 import shutil
 import tempfile
 import time
@@ -147,7 +148,7 @@ def report(step: int, result, rewards: list[float], stats: dict, times: dict) ->
     return (f"step {step}: reward {sum(rewards) / len(rewards):.3f} | len mean {sum(lengths) / len(lengths):.1f} "
             f"max {max(lengths)} | makespan {s.makespan_seconds:.2f}s fwd/token {s.forward_passes_per_token:.3f} "
             f"bubble {100 * s.bubble_share:.0f}% | accepted/drafted {by_source} | entropy {stats['entropy']:.3f} "
-            f"| logprob gap {stats['logprob_gap']:.2e} | rollout {times['rollout']:.1f}s train {times['train']:.1f}s "
+            f"| logprob gap {stats['logprob_gap']:.2e} | weight change rms {stats['update_rms']:.1e} | rollout {times['rollout']:.1f}s train {times['train']:.1f}s "
             f"update {times['update']:.1f}s")
 
 
@@ -177,12 +178,16 @@ def train(args) -> None:
                          "logprobs": list(c.logprobs), "advantage": a}
                         for c, a in zip(result.completions, advantages)]
             t = time.monotonic()
+            before = [p.detach().clone() for p in policy.parameters()]
             for _ in range(args.updates):
                 opt.zero_grad(set_to_none=True)
                 stats = policy_loss(policy, rollouts, args)
                 torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
                 opt.step()
             t_train = time.monotonic() - t
+            # root mean square change of a weight in this step (what `bubblespec bench` imitates)
+            stats["update_rms"] = math.sqrt(sum(float(((p.detach() - b) ** 2).sum()) for p, b in
+                                                zip(policy.parameters(), before)) / sum(b.numel() for b in before))
             t = time.monotonic()
             version += 1
             path = save_policy(policy, args.model, out_dir / f"v{version}")

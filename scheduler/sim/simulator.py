@@ -51,7 +51,7 @@ from bubblespec.scheduler.core.types import (
 from bubblespec.scheduler.core.validate import Limits, build_step
 from bubblespec.scheduler.sim.costs import CostProfile
 from bubblespec.scheduler.sim.engine import Member, SimulatedEngine
-from bubblespec.scheduler.sim.workload import AcceptanceModel, SimPrompt, Workload
+from bubblespec.scheduler.sim.workload import AcceptanceModel, SimPrompt, TraceWorkload, Workload
 
 __all__ = ["SimResult", "SimSettings", "SimStalled", "StepStats", "simulate"]
 
@@ -187,7 +187,7 @@ def simulate(
     drafting: bool,
     seed: int = 0,
     *,
-    workload: Workload = DEFAULT_WORKLOAD,
+    workload: Workload | TraceWorkload = DEFAULT_WORKLOAD,
     acceptance: AcceptanceModel = DEFAULT_ACCEPTANCE,
     settings: SimSettings = DEFAULT_SETTINGS,
     on_step: Callable[[StepStats], None] | None = None,
@@ -230,7 +230,7 @@ class _StepLog:
 
 class _Simulation:
     def __init__(self, policy: SchedulingPolicy, workers: int, prompts: int, profile: CostProfile, drafting: bool,
-                 seed: int, workload: Workload, acceptance: AcceptanceModel, settings: SimSettings):
+                 seed: int, workload: Workload | TraceWorkload, acceptance: AcceptanceModel, settings: SimSettings):
         self.policy, self.prompts, self.drafting, self.seed = policy, prompts, drafting, seed
         self.workload, self.acceptance, self.settings = workload, acceptance, settings
         self.now = 0.0

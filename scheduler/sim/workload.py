@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["AcceptanceModel", "LengthModel", "SimPrompt", "Workload", "expected_accepted"]
+__all__ = ["AcceptanceModel", "LengthModel", "SimPrompt", "TraceWorkload", "Workload", "expected_accepted"]
 
 
 @dataclass(frozen=True)
@@ -154,3 +154,31 @@ class Workload:
                 draft_z=[float(z) for z in dz[i]],
             ))
         return out
+
+
+@dataclass(frozen=True)
+class TraceWorkload:
+    """Replays recorded response lengths instead of drawing them: ``steps[s][i]`` is the length
+    of every sample (and every draft) of prompt ``i`` in step ``s``, as a greedy real run
+    produced them. Used to simulate the very workload a real benchmark ran."""
+
+    steps: tuple[tuple[int, ...], ...]
+    prompt_tokens: int = 16
+    max_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        if not self.steps or not all(self.steps) or min(min(s) for s in self.steps) < 1:
+            raise ValueError("steps must hold at least one step of lengths >= 1")
+
+    @property
+    def lengths(self) -> LengthModel:
+        median = float(np.median([n for s in self.steps for n in s]))
+        return LengthModel(median_tokens=median, prompt_sigma=0.0, sample_sigma=0.0, max_tokens=self.max_tokens)
+
+    def step(self, seed: int, step: int, prompts: int, samples: int) -> list[SimPrompt]:
+        lengths = self.steps[step % len(self.steps)]
+        if prompts > len(lengths):
+            raise ValueError(f"step {step} of the trace has {len(lengths)} prompts, {prompts} asked for")
+        return [SimPrompt(prompt_id=f"p{i}", token_ids=(1 + step, 1 + i), scale=float(n), lengths=[n] * samples,
+                          accept_z=[0.0] * samples, draft_z=[0.0])
+                for i, n in enumerate(lengths[:prompts])]
