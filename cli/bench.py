@@ -51,13 +51,17 @@ class BenchConfig:
     ignore_eos: bool = False
     """Decode every response to its ``max_tokens`` (per prompt, if the prompts say): a workload
     whose lengths are set by the caller (tests) rather than by the model."""
-    update_scale: float = 1e-3
-    """Std of the noise added to the weights between steps (stands in for a gradient step)."""
-    lookahead_steps: int = 1
-    """Each step announces the prompts of this many following steps (drafted in its bubbles)."""
-    train_seconds: float = 0.0
+    update_scale: float = 3e-5
+    """Std of the noise added to every weight between steps, standing in for a gradient step:
+    the RMS weight change of one AdamW step of ``examples/grpo_trainer.py`` on this workload
+    measured 2.3e-5 to 4.9e-5 (docs/WORKLOAD.md)."""
+    lookahead_steps: int = 2
+    """Each step announces the prompts of this many following steps, as a trainer that knows
+    its data order can (drafted in bubbles and gaps until their step comes)."""
+    train_seconds: float = 0.8
     """Pause between a step's end and the next weight push: the trainer's reward and gradient
-    time, during which synchronous rollout workers have nothing to do (BubbleSpec drafts)."""
+    time, in which synchronous rollout workers have nothing to do (BubbleSpec drafts). The
+    example GRPO trainer's gradient step took 0.5-5.0 s here, median 0.8 s."""
     seed: int = 0
 
 
@@ -192,7 +196,7 @@ def main(args) -> None:
 
     cfg = BenchConfig(steps=3 if args.quick else args.steps, prompts=16 if args.quick else args.prompts,
                       samples=args.samples, max_tokens=args.max_tokens, lookahead_steps=args.lookahead_steps,
-                      train_seconds=args.train_seconds, seed=args.seed)
+                      train_seconds=args.train_seconds, update_scale=args.update_scale, seed=args.seed)
     args.model = args.model or ensure_rlvr_model()
 
     async def go() -> dict:
@@ -207,7 +211,8 @@ def main(args) -> None:
     report = asyncio.run(go())
     print_table(report["summary"])
     print(f"\n{report['workers']} workers, {cfg.steps} steps x {cfg.prompts} prompts x {cfg.samples} samples, "
-          f"{cfg.train_seconds:g}s trainer gap, medians over steps >= 2; whole run {report['seconds']:.0f}s")
+          f"{cfg.train_seconds:g}s trainer gap, lookahead {cfg.lookahead_steps} steps, weight updates "
+          f"{cfg.update_scale:g} RMS; medians over steps >= 2; whole run {report['seconds']:.0f}s")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
         print(f"wrote {args.json}")

@@ -34,7 +34,8 @@ def _scheduler_settings(a: argparse.Namespace, **over) -> SchedulerSettings:
 def _engine_settings(a: argparse.Namespace) -> EngineSettings:
     return EngineSettings(model=a.model, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                           num_speculative_tokens=a.num_speculative_tokens,
-                          tensor_parallel_size=a.tensor_parallel_size, kv_cache_memory_bytes=a.kv_cache_memory_bytes)
+                          tensor_parallel_size=a.tensor_parallel_size, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
+                          dtype=a.dtype)
 
 
 def ensure_tiny_model(path: Path = TINY_MODEL_DIR) -> str:

@@ -54,6 +54,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     _add(p, "num-speculative-tokens", 8, "draft tokens per request per step (0 = no speculation)")
     _add(p, "tensor-parallel-size", 1, "GPUs per engine")
     _add(p, "kv-cache-memory-bytes", 256 * 2**20, "KV cache size for CPU engines")
+    _add(p, "dtype", "auto", "weights dtype (auto: the checkpoint's on CPU engines, vLLM's choice on GPUs)")
 
 
 def _worker_flags(p: argparse.ArgumentParser) -> None:
@@ -94,8 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add(bench, "prompts", 32, "prompts per step")
     _add(bench, "samples", 2, "samples per prompt")
     _add(bench, "max-tokens", 480, "longest response")
-    _add(bench, "lookahead-steps", 1, "following steps whose prompts each step announces for drafting")
-    _add(bench, "train-seconds", 0.0, "pause between steps standing in for reward + training (drafting goes on)")
+    _add(bench, "lookahead-steps", 2, "following steps whose prompts each step announces for drafting")
+    _add(bench, "train-seconds", 0.8, "pause between steps standing in for reward + training (drafting goes on)")
+    _add(bench, "update-scale", 3e-5, "RMS of the weight noise standing in for each gradient step")
     _add(bench, "seed", 0, "workload seed")
     _add(bench, "json", "", "write the report here")
     bench.add_argument("--quick", action="store_true", help="3 steps x 16 prompts (a few minutes)")
