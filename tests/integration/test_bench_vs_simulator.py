@@ -30,7 +30,7 @@ update (the bench's, on a trained policy) rewrites much of its greedy output: fu
 were accepted 56% of the time there, and at that rate the simulator, whose acceptance is
 per token and independent, overstates what drafts buy (see docs/SIMULATOR.md). A trained
 low-entropy policy keeps its outputs under such updates; 1e-5 does that for this model."""
-STEPS, PROMPTS, SAMPLES, LONG, GAP = 4, 8, 2, 160, 1.0
+STEPS, PROMPTS, SAMPLES, LONG, GAP = 4, 8, 2, 160, 1.5
 ARMS = {"baseline": ("static", False), "queue": ("queue", False),
         "static+drafts": ("static", True), "bubblespec": ("queue", True)}
 
