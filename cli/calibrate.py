@@ -13,8 +13,8 @@ requests that each decode exactly ``L`` tokens (``ignore_eos``, greedy), for sev
 * one long prompt against one short prompt, with a single output token, for prefill.
 
 Seconds per pass (wall time over forward passes, so everything a pass costs the service is
-in it) are fitted by least squares (see ``fit``); a negative constant is clipped to 0. The result prints as
-a ``CostProfile`` to paste into ``costs.py`` (or pass to ``bubblespec simulate --profile-json``).
+in it) are fitted by least squares (see ``fit``); a negative constant is clipped to 0. The
+result prints as a ``CostProfile`` to paste into ``bubblespec.scheduler.sim.costs``.
 """
 
 from __future__ import annotations

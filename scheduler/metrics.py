@@ -52,7 +52,6 @@ __all__ = [
 ]
 
 
-
 SCHEDULER_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("bubblespec_requests_waiting", "gauge", "Requests queued and not yet running on a worker."),
     MetricSpec("bubblespec_requests_running", "gauge", "Requests running on workers."),

@@ -126,7 +126,7 @@ class WorkerAgent:
         """After a failed request: if the engine itself is dead, leave the scheduler (which
         re-queues this worker's work at once) and end ``run()`` with an error, so that the
         process exits and its supervisor (Kubernetes) starts a fresh one."""
-        if self.failed is None and getattr(self.engine, "dead", False):
+        if self.failed is None and self.engine.dead:
             logger.error("worker %s: the inference engine died; leaving the scheduler", self.worker_id)
             self.failed = RuntimeError(f"worker {self.worker_id}: the inference engine died")
             self._stopping = True

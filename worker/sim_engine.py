@@ -109,7 +109,8 @@ class SimulatedEngine:
         self.weights_path = ""
         """Path of the last ``load_weights`` call (recorded, never read)."""
         self.loads = 0
-        self.died = False
+        self.dead = False
+        """Failed for good (``kill``)."""
         self.engine_steps = 0
         """Engine steps run so far (one token for every running request each)."""
         self._rng = random.Random(settings.seed)
@@ -122,13 +123,9 @@ class SimulatedEngine:
     def num_running(self) -> int:
         return len(self._running)
 
-    @property
-    def dead(self) -> bool:
-        return self.died
-
     def kill(self) -> None:
         """Fail for good, as a crashed vLLM engine does: every request errors, now and later."""
-        self.died = True
+        self.dead = True
         for run in [*self._running.values(), *self._waiting]:
             run.wake.set()
 
@@ -141,7 +138,7 @@ class SimulatedEngine:
         final output (tuples, ``finish_reason`` set). An aborted request ends without one."""
         if self._loop is None:
             raise RuntimeError("engine not started")
-        if self.died:
+        if self.dead:
             raise RuntimeError("engine died")
         run = self._new_run(request)
         self._waiting.append(run)
@@ -150,7 +147,7 @@ class SimulatedEngine:
             while True:
                 await run.wake.wait()
                 run.wake.clear()
-                if self.died:
+                if self.dead:
                     raise RuntimeError("engine died")
                 if run.aborted:
                     return

@@ -206,6 +206,7 @@ class ScriptedEngine:
     """A simulated engine (no model): answers every request with ``fake_tokens``."""
 
     info = EngineInfo("scripted", 512, 128, False)
+    dead = False
 
     async def start(self) -> None: ...
 
