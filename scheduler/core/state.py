@@ -85,6 +85,7 @@ class RequestState:
     progress: int = 0
     progress_at: float = 0.0
     done: bool = False
+    moved_from: str | None = None  # the worker it was moved off: it goes back there only if no one else can run it
 
 
 @dataclass
@@ -397,12 +398,14 @@ class SchedulerCore:
             if w.private and (slow or someone_idle):
                 mine = [k for k in w.private if _step_of(k) == step.spec.step_id]
                 w.private = deque(k for k in w.private if _step_of(k) != step.spec.step_id)
+                for key in mine:
+                    step.requests[key].moved_from = w.hello.worker_id
                 moved += mine
             for key in list(w.running):
                 req = step.requests.get(key)
                 if req and now - max(req.progress_at, req.started_at) > self.settings.stall_seconds:
                     w.running.discard(key)
-                    req.worker = None
+                    req.worker, req.moved_from = None, w.hello.worker_id
                     actions.append(Abort(w.hello.worker_id, key))
                     moved.append(key)
         step.shared.extendleft(reversed(moved))
@@ -462,7 +465,7 @@ class SchedulerCore:
                 return key
         for step in self.steps.values():
             if step.active and step.spec.policy_version == w.version:
-                while step.shared:
+                for _ in range(len(step.shared)):  # keys it may not take go to the back, once
                     key = step.shared.popleft()
                     if self._takeable(w, key):
                         return key
@@ -478,7 +481,14 @@ class SchedulerCore:
         if step.spec.policy_version != w.version:
             step.shared.append(key)  # someone with the right version will take it
             return False
+        if req.moved_from == w.hello.worker_id and self._another_can_run(w, step):
+            step.shared.append(key)  # moved off this (slow or stalled) worker: not back to it
+            return False
         return True
+
+    def _another_can_run(self, w: WorkerState, step: StepState) -> bool:
+        return any(o is not w and o.load_failed is None and o.version == step.spec.policy_version
+                   for o in self.workers.values())
 
     def _plan_drafts(self, w: WorkerState) -> list[Action]:
         if not (self.settings.drafting and w.hello.speculation and w.version == self.version):

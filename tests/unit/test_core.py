@@ -257,6 +257,30 @@ def test_queued_work_moves_to_an_idle_worker_under_straggler_watch():
     assert core.steps["s"].moved >= 1
 
 
+def test_slow_worker_loses_its_queue_and_does_not_take_it_back():
+    core, clock = make_core(straggler_grace_seconds=2.0)
+    core.add_worker(hello("a", capacity=4))  # runs its whole share at once
+    core.add_worker(hello("b", capacity=2))
+    assigns = of(core.submit_step(step("s", 8, policy=SchedulingPolicy.STATIC)), Assign)
+    running = {w: [a for a in assigns if a.worker_id == w] for w in "ab"}
+    assert len(core.workers["b"].private) == 2
+    core.heartbeat("a", 100.0)
+    core.heartbeat("b", 10.0)  # under half the median rate: a straggler
+    clock.now = 1.0
+    assert of(core.tick(), Assign) == [] and core.steps["s"].moved == 0  # still in its grace period
+    clock.now = 3.0
+    core.tick()
+    assert not core.workers["b"].private and core.steps["s"].moved == 2
+    # b finishes a request: it takes nothing back, its moved work waits for a
+    assert of(complete(core, running["b"][0]), Assign) == []
+    given = of(complete(core, running["a"][0]), Assign)
+    assert [g.worker_id for g in given] == ["a"]
+    assert core.steps["s"].requests[given[0].request.key].moved_from == "b"
+    # with a gone, b is the only one left: it runs the rest of its moved work after all
+    back = of(core.remove_worker("a"), Assign)
+    assert back and all(g.worker_id == "b" for g in back)
+
+
 def test_without_straggler_watch_static_never_moves_queued_work():
     core, clock = make_core()
     core.add_worker(hello("a", capacity=1))
