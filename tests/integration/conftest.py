@@ -44,8 +44,10 @@ def redis_server():
 async def cluster(tiny_model, redis_server):
     """Scheduler + 2 speculative vLLM workers + the Redis draft store, in this process."""
     settings = SchedulerSettings(host="127.0.0.1", grpc_port=0, http_port=0, tokenizer=tiny_model)
+    # 2 s per Redis operation: three engines on two loaded cores once timed out a healthy write
+    # at 0.5 s, and the breaker then dropped drafts a test counted on; a killed Redis still fails at once
     c = Cluster(settings, engine_settings(tiny_model), workers=2,
-                store_settings=StoreSettings(url=redis_server.url, op_timeout_seconds=0.5, retry_after_seconds=1.0))
+                store_settings=StoreSettings(url=redis_server.url, op_timeout_seconds=2.0, retry_after_seconds=1.0))
     await c.start()
     yield c
     await c.stop()

@@ -361,14 +361,16 @@ async def test_redis_operations_are_bounded_by_op_timeout() -> None:
         started = time.monotonic()
         with pytest.raises(StoreUnavailable):
             await store.get_drafts([PROMPT_A])
-        assert time.monotonic() - started < 1.0
+        assert time.monotonic() - started < 3.0  # unbounded, it would wait forever
         await store.close()
 
 
 async def test_resilient_store_rides_out_a_killed_redis() -> None:
     clock = FakeClock()
     with RedisServer() as server:
-        settings = redis_settings(server.url, retry_after_seconds=5.0, op_timeout_seconds=0.3)
+        # a killed server refuses connections at once; the timeout only has to spare a slow
+        # machine's healthy operations (0.3 s once timed out the first write under CI load)
+        settings = redis_settings(server.url, retry_after_seconds=5.0, op_timeout_seconds=5.0)
         inner = RedisStore(settings)
         store = ResilientStore(inner, settings, clock=clock)
         await store.put_draft(PROMPT_A, entry(1))
