@@ -67,14 +67,25 @@ async def wait_for_worker(cluster, sub, timeout: float = 300) -> None:
     raise AssertionError(f"{WORKER} did not join: {sub.log.read_text()[-3000:]}")
 
 
-@pytest.fixture
-def short_timeout(cluster):
-    """Declare silent workers dead after 3 s (instead of 10) for the duration of a test."""
+def _worker_timeout(cluster, seconds: float):
+    """Declare silent workers dead after ``seconds`` (instead of 10) for the duration of a test.
+    A worker starved of CPU can be silent for seconds: tests send it work only once it is back."""
     core = cluster.scheduler.core
     old = core.settings
-    core.settings = dataclasses.replace(old, worker_timeout_seconds=3.0)
+    core.settings = dataclasses.replace(old, worker_timeout_seconds=seconds)
     yield
     core.settings = old
+
+
+@pytest.fixture
+def short_timeout(cluster):
+    yield from _worker_timeout(cluster, 5.0)
+
+
+@pytest.fixture
+def patient_timeout(cluster):
+    """Keep a throttled worker (silent up to a second at a time) connected whatever the load."""
+    yield from _worker_timeout(cluster, 60.0)
 
 
 def assert_exactly_once(msgs, prompts: int, n: int) -> list:
@@ -113,6 +124,7 @@ async def test_frozen_worker_declared_dead_then_rejoins_and_loads_policy_first(
     core, service = cluster.scheduler.core, cluster.scheduler.service
     ids = token_prompts(18, seed=501)
     expected = await greedy_reference(client, ids, core.version)
+    await wait_for_worker(cluster, sub_worker)  # its share of the step must reach it
     task = await run_static_step(cluster, "frozen", ids)
     await until(lambda: core.workers.get(WORKER) is not None and core.workers[WORKER].running)
     os.killpg(sub_worker.proc.pid, signal.SIGSTOP)
@@ -136,9 +148,9 @@ async def test_frozen_worker_declared_dead_then_rejoins_and_loads_policy_first(
 
 async def test_network_cut_requeues_and_worker_comes_back(cluster, client, sub_worker, short_timeout):
     core = cluster.scheduler.core
-    await wait_for_worker(cluster, sub_worker)
     ids = token_prompts(18, seed=511)
     expected = await greedy_reference(client, ids, core.version)
+    await wait_for_worker(cluster, sub_worker)
     task = await run_static_step(cluster, "netcut", ids)
     await until(lambda: core.workers.get(WORKER) is not None and core.workers[WORKER].running)
     sub_worker.proxy.freeze()
@@ -150,16 +162,6 @@ async def test_network_cut_requeues_and_worker_comes_back(cluster, client, sub_w
     assert outputs(comps) == expected
     assert msgs[-1].summary.requests_requeued > 0
     await wait_for_worker(cluster, sub_worker)
-
-
-@pytest.fixture
-def patient_timeout(cluster):
-    """Keep a throttled worker (silent up to a second at a time) connected whatever the load."""
-    core = cluster.scheduler.core
-    old = core.settings
-    core.settings = dataclasses.replace(old, worker_timeout_seconds=60.0)
-    yield
-    core.settings = old
 
 
 class Throttle:
