@@ -14,6 +14,7 @@ from bubblespec.scheduler.settings import SchedulerSettings
 from bubblespec.store import StoreSettings
 from bubblespec.worker.engine import EngineSettings
 from bubblespec.worker.agent import WorkerSettings
+from bubblespec.worker.lifeline import exit_after
 
 __all__ = ["demo", "scheduler", "up", "worker", "Cluster"]
 
@@ -26,7 +27,9 @@ def _scheduler_settings(a: argparse.Namespace, **over) -> SchedulerSettings:
                   redis_url=a.redis_url, redis_password=a.redis_password, trainer_token=a.trainer_token,
                   worker_token=a.worker_token, tls_cert_file=a.tls_cert_file, tls_key_file=a.tls_key_file,
                   tls_client_ca_file=a.tls_client_ca_file, default_policy=a.default_policy,
-                  redis_tls_ca_file=a.redis_tls_ca_file, orphan_grace_seconds=a.orphan_grace_seconds)
+                  redis_tls_ca_file=a.redis_tls_ca_file, orphan_grace_seconds=a.orphan_grace_seconds,
+                  journal_redis_url=a.journal_redis_url, journal_secret=a.journal_secret,
+                  journal_finished_ttl_seconds=a.journal_finished_ttl_seconds)
     fields.update(over)
     return SchedulerSettings(**fields)
 
@@ -35,7 +38,7 @@ def _engine_settings(a: argparse.Namespace) -> EngineSettings:
     return EngineSettings(model=a.model, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                           num_speculative_tokens=a.num_speculative_tokens,
                           tensor_parallel_size=a.tensor_parallel_size, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
-                          dtype=a.dtype)
+                          dtype=a.dtype, logprobs_mode=a.logprobs_mode)
 
 
 def ensure_tiny_model(path: Path = TINY_MODEL_DIR) -> str:
@@ -59,7 +62,7 @@ def worker(a: argparse.Namespace) -> None:
                               tls=a.tls, tls_ca_file=a.tls_ca_file, tls_cert_file=a.tls_cert_file,
                               tls_key_file=a.tls_key_file, engine=_engine_settings(a))
     store = StoreSettings(url=a.redis_url, password=a.redis_password, tls_ca_file=a.redis_tls_ca_file)
-    run(settings, store, a.metrics_port)
+    run(settings, store, a.metrics_port, a.shutdown_seconds)
 
 
 def _on_core(settings: EngineSettings, core: int) -> EngineSettings:
@@ -139,7 +142,10 @@ def up(a: argparse.Namespace) -> None:
         try:
             await stop.wait()
         finally:
+            # bounded: past shutdown_seconds the process exits and its engines die with it
+            deadline = exit_after(a.shutdown_seconds, "bubblespec up shutdown")
             await cluster.stop()  # also shuts the vLLM engine processes down
+            deadline.cancel()
 
     asyncio.run(main())
 

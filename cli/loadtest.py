@@ -39,6 +39,7 @@ import json
 import math
 import os
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -263,6 +264,7 @@ async def _serve_child(config: dict) -> None:
     from bubblespec.scheduler.settings import SchedulerSettings
 
     settings = SchedulerSettings(host="127.0.0.1", grpc_port=0, http_port=0, redis_url=config["redis_url"],
+                                 journal_secret=secrets.token_hex(16),  # journal on: part of the measured path
                                  core=CoreSettings(keep_steps=config["keep_steps"]))
     scheduler = Scheduler(settings)
     await scheduler.start()

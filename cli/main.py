@@ -31,13 +31,18 @@ def _add(p: argparse.ArgumentParser, flag: str, default, help: str) -> None:
 
 
 def _scheduler_flags(p: argparse.ArgumentParser) -> None:
-    _add(p, "host", "0.0.0.0", "bind address")
+    _add(p, "host", "", "bind address ('': 0.0.0.0 when both tokens are set, else 127.0.0.1; "
+         "a non-loopback address without both tokens is logged as INSECURE)")
     _add(p, "grpc-port", 50051, "gRPC port (trainer + worker APIs, health, reflection)")
     _add(p, "http-port", 8080, "HTTP port (/healthz /readyz /metrics /status /ui)")
     _add(p, "tokenizer", "", "model directory or tokenizer.json for text prompts")
     _add(p, "redis-url", "", "draft store URL (redis:// or rediss://)")
     _add(p, "redis-password", "", "draft store password")
     _add(p, "redis-tls-ca-file", "", "PEM CA for rediss://")
+    _add(p, "journal-redis-url", "", "step journal Redis, noeviction ('' = --redis-url)")
+    _add(p, "journal-secret", "", "HMAC key of the step journal, >= 16 bytes (prefer the environment variable; "
+                                  "'' = no journal)")
+    _add(p, "journal-finished-ttl-seconds", 600, "keep a finished step's journal this long")
     _add(p, "orphan-grace-seconds", 30.0, "cancel a step this long after its trainer disconnected")
     _add(p, "trainer-token", "", "bearer token trainers must send")
     _add(p, "worker-token", "", "bearer token workers must send")
@@ -55,6 +60,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     _add(p, "tensor-parallel-size", 1, "GPUs per engine")
     _add(p, "kv-cache-memory-bytes", 256 * 2**20, "KV cache size for CPU engines")
     _add(p, "dtype", "auto", "weights dtype (auto: the checkpoint's on CPU engines, vLLM's choice on GPUs)")
+    _add(p, "logprobs-mode", "processed", "returned logprobs: processed (temperature/top-k/top-p applied) | raw")
 
 
 def _worker_flags(p: argparse.ArgumentParser) -> None:
@@ -69,6 +75,7 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     _add(p, "redis-password", "", "draft store password")
     _add(p, "redis-tls-ca-file", "", "PEM CA for rediss://")
     _add(p, "metrics-port", 8081, "HTTP port for /metrics and /healthz (-1 = off)")
+    _add(p, "shutdown-seconds", 90.0, "on SIGTERM: exit after this long even if the drain has not finished")
     _engine_flags(p)
 
 
@@ -80,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     _worker_flags(sub.add_parser("worker", help="run one vLLM worker that dials the scheduler"))
     up = sub.add_parser("up", help="scheduler + N vLLM workers + in-process draft store on this machine")
     _add(up, "workers", 2, "number of vLLM workers")
+    _add(up, "shutdown-seconds", 60.0, "on SIGTERM: exit after this long even if the drain has not finished")
     _scheduler_flags(up)
     _engine_flags(up)
     demo = sub.add_parser("demo", help="start `up` and run a two-step rollout through the SDK")

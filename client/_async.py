@@ -11,7 +11,6 @@ import grpc
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.api.v1 import rollout_pb2_grpc as pbg
 from bubblespec.client import _base
-from bubblespec.client import _convert as cv
 from bubblespec.client._base import ClientSettings, PromptLike, StepCollector
 from bubblespec.client.errors import ServiceUnavailable
 from bubblespec.client.types import Completion, SamplingParams, SchedulingPolicy, StepResult
@@ -62,6 +61,7 @@ class AsyncRolloutClient:
         collector = _collector or StepCollector(request, on_progress)
         delays = self.settings.retry.delays()
         while not collector.done:
+            before = len(collector.completions)
             try:
                 call = self._stub.Generate(request, timeout=self.settings.step_timeout_seconds,
                                            metadata=self.settings.metadata(), wait_for_ready=True)
@@ -73,6 +73,8 @@ class AsyncRolloutClient:
                     raise ServiceUnavailable("stream ended before the step finished")
             except (grpc.RpcError, ServiceUnavailable) as exc:
                 err = _base.translate(exc) if isinstance(exc, grpc.RpcError) else exc
+                if len(collector.completions) > before:  # progress: a fresh retry budget
+                    delays = self.settings.retry.delays()
                 delay = next(delays, None) if _base.should_retry(err) else None
                 if delay is None:
                     raise err from None
@@ -82,6 +84,7 @@ class AsyncRolloutClient:
                        sampling: SamplingParams = SamplingParams(), *, progress: bool = False, on_progress=None,
                        **kwargs) -> StepResult:
         """Run one rollout step; return every completion (prompt order, then sample index) and a summary."""
+        _base.check_progress(progress, on_progress)
         request = _base.make_generate_request(step, kwargs.get("policy_version", 0), prompts, sampling,
                                               kwargs.get("n"))
         if progress and on_progress is None:
@@ -92,12 +95,11 @@ class AsyncRolloutClient:
         return collector.result()
 
     async def announce(self, prompts: Sequence[PromptLike], sampling: SamplingParams = SamplingParams()) -> int:
-        req = pb.AnnounceRequest(prompts=[cv.prompt_to_pb(p) for p in _base.to_prompts(prompts)],
-                                 sampling=cv.sampling_to_pb(sampling))
+        req = _base.make_announce_request(prompts, sampling)
         return (await self._unary(self._stub.Announce, req, self.settings.timeout_seconds)).accepted
 
     async def update_policy(self, version: int, weights_path: str) -> int:
-        req = pb.UpdatePolicyRequest(version=version, weights_path=weights_path)
+        req = _base.make_update_policy_request(version, weights_path)
         return (await self._unary(self._stub.UpdatePolicy, req, self.settings.step_timeout_seconds)).workers_loaded
 
     async def status(self) -> dict:
@@ -105,5 +107,5 @@ class AsyncRolloutClient:
         return json.loads(resp.json)
 
     async def cancel(self, step: str | int) -> int:
-        req = pb.CancelRequest(step_id=str(step))
+        req = _base.make_cancel_request(step)
         return (await self._unary(self._stub.Cancel, req, self.settings.timeout_seconds)).cancelled_requests

@@ -6,18 +6,23 @@ one test suite covers both.
 
 from __future__ import annotations
 
+import math
+import os
 import random
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import grpc
 
 from bubblespec.api.v1 import rollout_pb2 as pb
+from bubblespec.client import _check as ck
 from bubblespec.client import _convert as cv
 from bubblespec.client.errors import BubbleSpecError, RetryableError, error_from_status
 from bubblespec.client.types import Completion, Prompt, SamplingParams, SchedulingPolicy, StepResult, StepSummary
 
-__all__ = ["ClientSettings", "PromptLike", "Retry", "StepCollector", "make_generate_request", "to_prompts"]
+__all__ = ["ClientSettings", "PromptLike", "Retry", "StepCollector", "keepalive_options", "make_announce_request",
+           "make_cancel_request", "make_generate_request", "make_update_policy_request", "to_prompts"]
 
 PromptLike = str | Sequence[int] | Prompt
 ProgressCallback = Callable[[int, int], None]
@@ -25,21 +30,42 @@ ProgressCallback = Callable[[int, int], None]
 
 @dataclass(frozen=True)
 class Retry:
-    """Exponential backoff with jitter for retryable errors (same idempotency key each time)."""
+    """Capped exponential backoff with jitter for retryable errors (same idempotency key each time).
 
-    attempts: int = 5
-    """Tries in all, the first included."""
+    The budget is time, not a count: the SDK keeps retrying for ``budget_seconds`` after the
+    first failure of an unbroken run of failures, long enough to ride out a scheduler restart
+    (the new process starts, workers re-dial it, the step resumes from the journal). A stream
+    that delivers a new completion starts a fresh budget. ``attempts`` optionally caps the count.
+    """
+
+    attempts: int = 0
+    """Tries in all, the first included (0 = no cap: ``budget_seconds`` alone decides)."""
     initial_seconds: float = 0.2
     """Delay before the second try."""
-    max_seconds: float = 5.0
+    max_seconds: float = 2.0
     """Longest delay between tries."""
     multiplier: float = 2.0
     """Growth of the delay per try."""
+    budget_seconds: float = 120.0
+    """How long to keep retrying, counted from the first failure (0 = no time limit)."""
 
-    def delays(self) -> Iterator[float]:
+    def __post_init__(self) -> None:
+        if self.attempts < 0 or self.initial_seconds < 0 or self.max_seconds < 0 or self.budget_seconds < 0:
+            raise ValueError(f"Retry fields must be >= 0: {self}")
+        if self.attempts == 0 and self.budget_seconds == 0:
+            raise ValueError("Retry needs a bound: attempts > 0 or budget_seconds > 0")
+
+    def delays(self, clock: Callable[[], float] = time.monotonic) -> Iterator[float]:
+        """Sleep times between tries; ends when the budget is spent. The clock starts at the first ``next``."""
+        start = clock()
         delay = self.initial_seconds
-        for _ in range(self.attempts - 1):
-            yield delay * (0.5 + random.random() / 2)
+        tries = 1
+        while self.attempts == 0 or tries < self.attempts:
+            left = self.budget_seconds - (clock() - start) if self.budget_seconds else math.inf
+            if left <= 0:
+                return
+            yield min(left, delay * (0.5 + random.random() / 2))
+            tries += 1
             delay = min(self.max_seconds, delay * self.multiplier)
 
 
@@ -64,9 +90,17 @@ class ClientSettings:
     step_timeout_seconds: float = 3600.0
     """Deadline of one generate call or policy update."""
     retry: Retry = Retry()
-    """Retry policy for retryable errors."""
+    """Retry policy for retryable errors: by default 120 s of capped backoff (see ``Retry``)."""
     max_message_bytes: int = 64 * 2**20
     """Largest message sent or received."""
+    keepalive_seconds: float = 5.0
+    """Ping the scheduler after this long without traffic, during calls and between them (0 = off)."""
+    keepalive_timeout_seconds: float = 5.0
+    """A ping unanswered this long closes the connection: running calls fail UNAVAILABLE and are
+    retried, so a frozen or unreachable scheduler is noticed in keepalive + timeout seconds."""
+    reconnect_max_seconds: float = 2.0
+    """Longest gap between the channel's reconnection attempts while the scheduler is down
+    (gRPC's own default is 120 s, which would leave a restarted scheduler unused for minutes)."""
 
     def credentials(self) -> grpc.ChannelCredentials | None:
         if not self.tls:
@@ -78,20 +112,29 @@ class ClientSettings:
 
     def options(self) -> list[tuple[str, int]]:
         return [("grpc.max_send_message_length", self.max_message_bytes),
-                ("grpc.max_receive_message_length", self.max_message_bytes)]
+                ("grpc.max_receive_message_length", self.max_message_bytes),
+                *keepalive_options(self.keepalive_seconds, self.keepalive_timeout_seconds, self.reconnect_max_seconds)]
 
 
-def to_prompts(prompts: Sequence[PromptLike]) -> list[Prompt]:
-    """Text, token-id lists or ``Prompt`` objects; unnamed prompts get ids ``p0, p1, ...``."""
-    out = []
-    for i, p in enumerate(prompts):
-        if isinstance(p, Prompt):
-            out.append(p)
-        elif isinstance(p, str):
-            out.append(Prompt(f"p{i}", text=p))
-        else:
-            out.append(Prompt(f"p{i}", token_ids=tuple(int(t) for t in p)))
-    return out
+def keepalive_options(every: float, timeout: float, reconnect_max: float) -> list[tuple[str, int]]:
+    """gRPC channel options: HTTP/2 pings every ``every`` s (also with no call running and with
+    no data flowing, as on a long stream that waits for its next completion), a connection whose
+    ping is unanswered for ``timeout`` s closed; reconnection attempts at most ``reconnect_max`` s apart.
+    The scheduler accepts pings this often (``SchedulerSettings.min_client_ping_seconds``)."""
+    backoff = [("grpc.initial_reconnect_backoff_ms", min(1000, int(reconnect_max * 1000))),
+               ("grpc.max_reconnect_backoff_ms", int(reconnect_max * 1000))]
+    if every <= 0:
+        return backoff
+    # gRPC >= 1.55 bounds a ping's answer by ping_timeout_ms (default 60 s) as well as keepalive_timeout_ms
+    return [*backoff, ("grpc.keepalive_time_ms", int(every * 1000)), ("grpc.keepalive_timeout_ms", int(timeout * 1000)),
+            ("grpc.http2.ping_timeout_ms", int(timeout * 1000)), ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0)]
+
+
+def to_prompts(prompts: Sequence[PromptLike], field: str = "prompts") -> list[Prompt]:
+    """Text, token-id lists or ``Prompt`` objects; unnamed prompts get ids ``p0, p1, ...``.
+    ``InvalidArgument`` naming ``field[i]...`` for anything else (a list of lists included)."""
+    return ck.check_prompts(prompts, field)
 
 
 def make_generate_request(
@@ -105,16 +148,44 @@ def make_generate_request(
     drafts: bool = True,
     straggler_watch: bool = True,
 ) -> pb.GenerateRequest:
+    """The Generate request; ``InvalidArgument`` naming the field for a malformed argument."""
+    step_id = ck.check_step(step)
+    ck.check_version(policy_version, "policy_version")
+    ck.check_sampling(sampling, n)
+    policy = ck.check_policy(policy)
+    ck.check_bool(drafts, "drafts")
+    ck.check_bool(straggler_watch, "straggler_watch")
     if n is not None:
         sampling = replace(sampling, n=n)
     return pb.GenerateRequest(
-        step_id=str(step), policy_version=policy_version,
+        step_id=step_id, policy_version=policy_version,
         prompts=[cv.prompt_to_pb(p) for p in to_prompts(prompts)],
         sampling=cv.sampling_to_pb(sampling),
-        lookahead=[cv.prompt_to_pb(p) for p in to_prompts(lookahead)],
+        lookahead=[cv.prompt_to_pb(p) for p in to_prompts(lookahead, "lookahead")],
         policy=cv.policy_to_pb(policy), disable_drafts=not drafts,
         disable_straggler_watch=not straggler_watch,
     )
+
+
+def make_announce_request(prompts: Sequence[PromptLike], sampling: SamplingParams) -> pb.AnnounceRequest:
+    ck.check_sampling(sampling)
+    return pb.AnnounceRequest(prompts=[cv.prompt_to_pb(p) for p in to_prompts(prompts)],
+                              sampling=cv.sampling_to_pb(sampling))
+
+
+def make_update_policy_request(version: int, weights_path: str | os.PathLike[str]) -> pb.UpdatePolicyRequest:
+    path = os.fspath(weights_path) if isinstance(weights_path, os.PathLike) else weights_path
+    return pb.UpdatePolicyRequest(version=ck.check_version(version, "version"),
+                                  weights_path=ck.check_str(path, "weights_path"))
+
+
+def make_cancel_request(step: str | int) -> pb.CancelRequest:
+    return pb.CancelRequest(step_id=ck.check_step(step))
+
+
+def check_progress(progress: object, on_progress: object) -> None:
+    ck.check_bool(progress, "progress")
+    ck.check_callable(on_progress, "on_progress")
 
 
 class StepCollector:
@@ -156,7 +227,8 @@ def translate(exc: grpc.RpcError) -> BubbleSpecError:
 
 
 def should_retry(err: BubbleSpecError) -> bool:
-    return isinstance(err, RetryableError)
+    """Retryable errors, except a message over a size limit: the same request would fail the same way."""
+    return isinstance(err, RetryableError) and "message larger than max" not in err.message
 
 
 def progress_bar(total: int) -> ProgressCallback:

@@ -42,6 +42,7 @@ def sampling_to_pb(sp: SamplingParams) -> pb.SamplingParams:
     msg = pb.SamplingParams(
         temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, max_tokens=sp.max_tokens,
         stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids), n=sp.n, ignore_eos=sp.ignore_eos,
+        logprobs_mode=sp.logprobs_mode,
     )
     if sp.seed is not None:
         msg.seed = sp.seed
@@ -60,6 +61,7 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         seed=msg.seed if msg.HasField("seed") else None,
         n=msg.n,
         ignore_eos=msg.ignore_eos,
+        logprobs_mode=msg.logprobs_mode or "processed",
     )
 
 

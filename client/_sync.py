@@ -10,7 +10,6 @@ import grpc
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.api.v1 import rollout_pb2_grpc as pbg
 from bubblespec.client import _base
-from bubblespec.client import _convert as cv
 from bubblespec.client._base import ClientSettings, PromptLike, StepCollector
 from bubblespec.client.errors import ServiceUnavailable
 from bubblespec.client.types import Completion, SamplingParams, SchedulingPolicy, StepResult
@@ -61,6 +60,7 @@ class RolloutClient:
         collector = _collector or StepCollector(request, on_progress)
         delays = self.settings.retry.delays()
         while not collector.done:
+            before = len(collector.completions)
             try:
                 for msg in self._stub.Generate(request, timeout=self.settings.step_timeout_seconds,
                                                metadata=self.settings.metadata(), wait_for_ready=True):
@@ -71,6 +71,8 @@ class RolloutClient:
                     raise ServiceUnavailable("stream ended before the step finished")
             except (grpc.RpcError, ServiceUnavailable) as exc:
                 err = _base.translate(exc) if isinstance(exc, grpc.RpcError) else exc
+                if len(collector.completions) > before:  # progress: a fresh retry budget
+                    delays = self.settings.retry.delays()
                 delay = next(delays, None) if _base.should_retry(err) else None
                 if delay is None:
                     raise err from None
@@ -79,6 +81,7 @@ class RolloutClient:
     def generate(self, step: str | int, prompts: Sequence[PromptLike], sampling: SamplingParams = SamplingParams(), *,
                  progress: bool = False, on_progress=None, **kwargs) -> StepResult:
         """Run one rollout step; return every completion (prompt order, then sample index) and a summary."""
+        _base.check_progress(progress, on_progress)
         request = _base.make_generate_request(step, kwargs.get("policy_version", 0), prompts, sampling,
                                               kwargs.get("n"))
         if progress and on_progress is None:
@@ -90,13 +93,18 @@ class RolloutClient:
 
     def announce(self, prompts: Sequence[PromptLike], sampling: SamplingParams = SamplingParams()) -> int:
         """Tell the scheduler about prompts of upcoming steps (draft targets)."""
-        req = pb.AnnounceRequest(prompts=[cv.prompt_to_pb(p) for p in _base.to_prompts(prompts)],
-                                 sampling=cv.sampling_to_pb(sampling))
+        req = _base.make_announce_request(prompts, sampling)
         return self._unary(self._stub.Announce, req, self.settings.timeout_seconds).accepted
 
     def update_policy(self, version: int, weights_path: str) -> int:
-        """Make every live worker load ``weights_path`` as ``version``; returns the worker count."""
-        req = pb.UpdatePolicyRequest(version=version, weights_path=weights_path)
+        """Make every live worker load ``weights_path`` as ``version``; returns the worker count.
+
+        Raises ``PreconditionFailed`` (``field`` ``weights_path``) when a worker could not load
+        it, naming each such worker and its reason: the cluster then stays at its previous
+        version, and the same version may be retried with a good path. Retries of this call
+        (the SDK's own included) are safe: the same (version, path) joins the update in
+        progress or gets the answer of the one that succeeded."""
+        req = _base.make_update_policy_request(version, weights_path)
         return self._unary(self._stub.UpdatePolicy, req, self.settings.step_timeout_seconds).workers_loaded
 
     def status(self) -> dict:
@@ -105,5 +113,5 @@ class RolloutClient:
         return json.loads(self._unary(self._stub.Status, pb.StatusRequest(), self.settings.timeout_seconds).json)
 
     def cancel(self, step: str | int) -> int:
-        req = pb.CancelRequest(step_id=str(step))
+        req = _base.make_cancel_request(step)
         return self._unary(self._stub.Cancel, req, self.settings.timeout_seconds).cancelled_requests

@@ -7,7 +7,9 @@
     │   └── ResourceExhausted       RESOURCE_EXHAUSTED
     └── FatalError              retrying cannot help
         ├── InvalidArgument         INVALID_ARGUMENT, OUT_OF_RANGE
-        ├── PreconditionFailed      FAILED_PRECONDITION
+        ├── PreconditionFailed      FAILED_PRECONDITION; also a failed step: one of its requests
+        │                           failed on every attempt (``field`` names the prompt,
+        │                           "prompts[3]"; the same step id returns the same failure)
         ├── AlreadyExists           ALREADY_EXISTS
         ├── NotFound                NOT_FOUND
         ├── AuthenticationFailed    UNAUTHENTICATED, PERMISSION_DENIED

@@ -21,6 +21,10 @@ __all__ = [
 ]
 
 
+LOGPROBS_MODES = ("processed", "raw")
+"""Values of ``SamplingParams.logprobs_mode`` and ``EngineSettings.logprobs_mode``."""
+
+
 class SchedulingPolicy(str, enum.Enum):
     """How the scheduler spreads a step's requests over workers."""
 
@@ -47,6 +51,12 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1
     ignore_eos: bool = False
+    logprobs_mode: str = "processed"
+    """What ``Completion.logprobs`` holds: ``processed`` (log-probabilities under the distribution
+    each token was sampled from: temperature, top_k and top_p applied; the behaviour policy of
+    importance ratios) or ``raw`` (the model's log-softmax before them). The workers' engines
+    serve one mode each (``EngineSettings.logprobs_mode``, processed by default); a step asking
+    for a mode no connected worker serves is refused, naming ``sampling.logprobs_mode``."""
 
 
 @dataclass(frozen=True)

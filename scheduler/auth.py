@@ -4,6 +4,9 @@ Trainers and workers hold separate tokens. Health checks and reflection stay ope
 carry no token). A call to the trainer API with the worker token, or the reverse, is refused:
 roles do not mix. Bytes that do not parse as the method's request message are answered
 INVALID_ARGUMENT naming ``request`` (grpc's default would be UNKNOWN and an error traceback).
+
+HTTP: ``/status`` and ``/ui`` take the trainer token (``http_refusal``); ``/healthz``,
+``/readyz`` and ``/metrics`` stay open for probes and Prometheus.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import inspect
 
 import grpc
 
-__all__ = ["TokenAuthInterceptor"]
+__all__ = ["TokenAuthInterceptor", "http_refusal"]
 
 _TRAINER_PREFIX = "/bubblespec.v1.Rollout/"
 _WORKER_PREFIX = "/bubblespec.v1.WorkerLink/"
@@ -76,6 +79,23 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
             if not hmac.compare_digest(sent[7:].encode(), expected.encode()):
                 return _deny(grpc.StatusCode.PERMISSION_DENIED, "authorization: token not valid for this API", handler)
         return _refuse_undecodable(handler) if ours else handler
+
+
+def http_refusal(authorization: str | None, query_token: str | None, expected: str) -> tuple[int, str] | None:
+    """HTTP routes that need the trainer token: None when the call may go on, else (HTTP
+    status, message). The token comes as ``Authorization: Bearer <token>`` or, for a browser
+    opening ``/ui``, as ``?token=<token>``. 401 when none is sent, 403 when it is wrong."""
+    if not expected:
+        return None
+    if authorization is not None and authorization.startswith("Bearer "):
+        sent = authorization[7:]
+    elif query_token is not None:
+        sent = query_token
+    else:
+        return 401, "authorization: missing bearer token (Authorization: Bearer <trainer token>, or /ui?token=...)"
+    if not hmac.compare_digest(sent.encode(), expected.encode()):
+        return 403, "authorization: token not valid for this API"
+    return None
 
 
 # ------------------------------------------------------------ undecodable bytes --

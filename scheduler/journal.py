@@ -7,18 +7,35 @@ de-duplication by (prompt id, sample index) every completion reaches the trainer
 
 Layout (prefix ``P``, default ``bubblespec:``)::
 
-    P{sched}:policy           JSON {"version": v, "weights_path": "..."}
-    P{sched}:step:<id>        hash: "fingerprint" -> hex, "<request key>" -> Completion protobuf
+    P{sched}:policy           MAC + JSON {"version": v, "weights_path": "..."}
+    P{sched}:step:<id>        hash: "fingerprint" -> MAC + hex, "<request key>" -> MAC + Completion protobuf,
+                              "failed" -> MAC + JSON {"field": ..., "message": ...} (a failed step)
+
+Redis is trusted for nothing. Every value starts with a 32-byte HMAC-SHA256, keyed by the
+scheduler's ``journal_secret``, over the Redis key, the hash field and the value (each
+length-prefixed), so an entry can be neither forged nor moved to another step or request. A
+record whose MAC does not match, or that does not decode, is dropped, counted (``rejected``,
+exported as ``bubblespec_journal_rejected_total``) and logged, never replayed: the step runs
+those requests again. Authentic completions are then checked like live ones
+(``core.checks.check_replayed``, in the service).
+
+A step's hash lives ``ttl_seconds`` after its last write; once its summary is sent it is kept
+only ``finished_ttl_seconds`` more (a trainer that retries ``Generate`` right after a restart
+still gets the replay; later, the step id is unknown and runs again).
 
 Writes go through one background task in order; a failed write is logged and dropped
-(the service keeps working without Redis, it only loses resumability).
+(the service keeps working without Redis, it only loses resumability). Keep the journal in a
+Redis that never evicts (``maxmemory-policy noeviction``): ``check_eviction`` warns otherwise.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import logging
+import struct
 
 from google.protobuf.message import DecodeError
 
@@ -27,18 +44,28 @@ from bubblespec.client import _convert as cv
 from bubblespec.client.types import Completion
 from bubblespec.store import StoreSettings
 
-__all__ = ["StepJournal"]
+__all__ = ["MAC_BYTES", "MIN_SECRET_BYTES", "StepJournal"]
 
 logger = logging.getLogger(__name__)
+MAC_BYTES = 32
+MIN_SECRET_BYTES = 16
+_DOMAIN = b"bubblespec-journal-v1"
 
 
 class StepJournal:
-    def __init__(self, settings: StoreSettings, ttl_seconds: int = 24 * 3600):
+    def __init__(self, settings: StoreSettings, secret: bytes, ttl_seconds: int = 24 * 3600,
+                 finished_ttl_seconds: int = 600):
         from bubblespec.store.redis_store import redis_client
 
+        if len(secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"journal_secret: must be at least {MIN_SECRET_BYTES} bytes, got {len(secret)}")
         self.redis = redis_client(settings)
         self.prefix = settings.key_prefix + "{sched}:"
         self.ttl = ttl_seconds
+        self.finished_ttl = finished_ttl_seconds
+        self.rejected = 0
+        """Records dropped on read: MAC mismatch, undecodable, or failing the replay checks."""
+        self._secret = secret
         self._writes: asyncio.Queue = asyncio.Queue()
         self._task: asyncio.Task | None = None
 
@@ -60,14 +87,28 @@ class StepJournal:
     # ----------------------------------------------------------------- writes --
 
     def save_policy(self, version: int, weights_path: str) -> None:
-        self._writes.put_nowait(("set", self.prefix + "policy", json.dumps({"version": version, "weights_path": weights_path})))
+        key = self.prefix + "policy"
+        record = json.dumps({"version": version, "weights_path": weights_path}).encode()
+        self._writes.put_nowait(("set", key, self._seal(key, "", record)))
 
     def save_step(self, step_id: str, fingerprint: str) -> None:
-        self._writes.put_nowait(("hset", self._step_key(step_id), "fingerprint", fingerprint.encode()))
+        key = self._step_key(step_id)
+        self._writes.put_nowait(("hset", key, "fingerprint", self._seal(key, "fingerprint", fingerprint.encode())))
+
+    def finish_step(self, step_id: str) -> None:
+        """The step's summary was sent: keep its record only ``finished_ttl_seconds`` more."""
+        self._writes.put_nowait(("expire", self._step_key(step_id), self.finished_ttl))
+
+    def save_failure(self, step_id: str, field: str, message: str) -> None:
+        """The step failed (``StepFailed``): a resume after a restart gets the same failure."""
+        blob = json.dumps({"field": field, "message": message}).encode()
+        key = self._step_key(step_id)
+        self._writes.put_nowait(("hset", key, "failed", self._seal(key, "failed", blob)))
 
     def save_completion(self, key: str, completion: Completion) -> None:
         blob = cv.completion_to_pb(completion).SerializeToString()
-        self._writes.put_nowait(("hset", self._step_key(completion.step_id), key, blob))
+        step_key = self._step_key(completion.step_id)
+        self._writes.put_nowait(("hset", step_key, key, self._seal(step_key, key, blob)))
 
     async def _writer(self) -> None:
         """Write queued items in order, everything queued so far in one pipeline."""
@@ -82,6 +123,8 @@ class StepJournal:
                         for item in writes:
                             if item[0] == "set":
                                 pipe.set(item[1], item[2], ex=self.ttl)
+                            elif item[0] == "expire":
+                                pipe.expire(item[1], item[2])
                             else:
                                 pipe.hset(item[1], item[2], item[3])
                                 pipe.expire(item[1], self.ttl)
@@ -95,34 +138,120 @@ class StepJournal:
     # ------------------------------------------------------------------ reads --
 
     async def load_policy(self) -> tuple[int, str] | None:
+        """(version, weights path) an earlier scheduler served, if its record is authentic."""
+        key = self.prefix + "policy"
         try:
-            raw = await self.redis.get(self.prefix + "policy")
+            raw = await self.redis.get(key)
         except Exception as exc:
             logger.warning("step journal unreachable: %s", type(exc).__name__)
             return None
         if raw is None:
             return None
-        data = json.loads(raw)
-        return int(data["version"]), str(data["weights_path"])
+        record = self._open(key, "", raw)
+        if record is None:
+            self.reject("the policy record", "its MAC does not match (forged, or another journal_secret)")
+            return None
+        try:
+            data = json.loads(record)
+            version, path = data["version"], data["weights_path"]
+            if type(version) is not int or version < 0 or not isinstance(path, str) or not path:
+                raise ValueError("version or weights_path out of range")
+        except (ValueError, KeyError, TypeError) as exc:
+            self.reject("the policy record", f"undecodable: {type(exc).__name__}")
+            return None
+        return version, path
 
     async def load_step(self, step_id: str) -> tuple[str, dict[str, Completion]] | None:
-        """(fingerprint, completions by request key) of a step an earlier scheduler ran."""
+        """(fingerprint, completions by request key) of a step an earlier scheduler ran.
+
+        Only authentic, decodable records come back (each dropped one is counted and logged);
+        the caller still checks each completion against the step (``check_replayed``)."""
+        key = self._step_key(step_id)
         try:
-            fields = await self.redis.hgetall(self._step_key(step_id))
+            fields = await self.redis.hgetall(key)
         except Exception as exc:
             logger.warning("step journal unreachable: %s", type(exc).__name__)
             return None
-        if b"fingerprint" not in fields:
+        if not fields:
             return None
+        fingerprint = self._open(key, "fingerprint", fields.pop(b"fingerprint", b""))
+        if fingerprint is None or not fingerprint.isascii():
+            self.reject(f"step {step_id!r}", f"no authentic fingerprint; its {len(fields)} other records are ignored")
+            return None
+        fields.pop(b"failed", None)
         done = {}
+        for name, blob in fields.items():
+            try:
+                field = name.decode()
+            except UnicodeDecodeError:
+                self.reject(f"a record of step {step_id!r}", "its field name is not UTF-8")
+                continue
+            payload = self._open(key, field, blob)
+            if payload is None:
+                self.reject(f"record {field!r:.80} of step {step_id!r}", "its MAC does not match")
+                continue
+            try:
+                done[field] = cv.completion_from_pb(pb.Completion.FromString(payload))
+            except (DecodeError, ValueError, TypeError) as exc:
+                self.reject(f"record {field!r:.80} of step {step_id!r}", f"undecodable: {type(exc).__name__}")
+        return fingerprint.decode(), done
+
+    def reject(self, what: str, reason: str) -> None:
+        """Count and log a journal record that is dropped instead of replayed."""
+        self.rejected += 1
+        logger.warning("step journal: dropped %s: %s", what, reason)
+
+    async def check_eviction(self) -> None:
+        """Warn when the journal's Redis may evict keys: a lost record costs resumability."""
         try:
-            for key, blob in fields.items():
-                if key != b"fingerprint":
-                    done[key.decode()] = cv.completion_from_pb(pb.Completion.FromString(blob))
-            return fields[b"fingerprint"].decode(), done
-        except (DecodeError, UnicodeDecodeError):  # corrupt journal: run the step afresh
-            logger.warning("step journal entry of %r is corrupt; ignoring it", step_id)
+            reply = await self.redis.config_get("maxmemory-policy")
+        except Exception as exc:  # CONFIG may be disabled (managed Redis): nothing to check
+            logger.info("step journal: cannot read the Redis eviction policy: %s", type(exc).__name__)
+            return
+        policy = next(iter(reply.values()), b"") if reply else b""
+        policy = policy.decode(errors="replace") if isinstance(policy, bytes) else str(policy)
+        if policy and policy != "noeviction":
+            logger.warning("step journal: its Redis evicts keys (maxmemory-policy %s); journal records may be "
+                           "lost under memory pressure: point journal_redis_url at a noeviction Redis", policy)
+
+    async def load_failure(self, step_id: str) -> tuple[str, str] | None:
+        """(field, message) of a step an earlier scheduler ended in failure, if it did."""
+        try:
+            raw = await self.redis.hget(self._step_key(step_id), "failed")
+            if raw is None:
+                return None
+            record = self._open(self._step_key(step_id), "failed", raw)
+            if record is None:
+                self.reject(f"the failure record of step {step_id!r}", "its MAC does not match")
+                return None
+            data = json.loads(record)
+            return str(data["field"]), str(data["message"])
+        except (ValueError, KeyError, TypeError):
+            logger.warning("step journal failure entry of %r is corrupt; ignoring it", step_id)
+            return None
+        except Exception as exc:
+            logger.warning("step journal unreachable: %s", type(exc).__name__)
             return None
 
     def _step_key(self, step_id: str) -> str:
         return f"{self.prefix}step:{step_id}"
+
+    # ------------------------------------------------------------------- MACs --
+
+    def _mac(self, key: str, field: str, payload: bytes) -> bytes:
+        mac = hmac.new(self._secret, _DOMAIN, hashlib.sha256)
+        for part in (key.encode(), field.encode(), payload):
+            mac.update(struct.pack(">Q", len(part)))
+            mac.update(part)
+        return mac.digest()
+
+    def _seal(self, key: str, field: str, payload: bytes) -> bytes:
+        """``payload`` behind its MAC, bound to the Redis key and hash field it is stored under."""
+        return self._mac(key, field, payload) + payload
+
+    def _open(self, key: str, field: str, blob: bytes) -> bytes | None:
+        """The payload of a sealed value, or None when its MAC does not match."""
+        if len(blob) < MAC_BYTES:
+            return None
+        payload = blob[MAC_BYTES:]
+        return payload if hmac.compare_digest(blob[:MAC_BYTES], self._mac(key, field, payload)) else None

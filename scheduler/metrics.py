@@ -34,7 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from bubblespec.scheduler.core.types import Abort, Action, Assign, Deliver, StepFinished
+from bubblespec.scheduler.core.types import Abort, Action, Assign, Deliver, StepFailed, StepFinished
 from bubblespec.telemetry import Histogram, MetricSpec, family
 
 if TYPE_CHECKING:
@@ -86,6 +86,8 @@ SCHEDULER_METRICS: tuple[MetricSpec, ...] = (
                "Requests re-queued because their worker left, aborted them or produced the wrong version."),
     MetricSpec("bubblespec_stragglers_detected_total", "counter",
                "Straggler interventions: times the straggler watch moved work of a step."),
+    MetricSpec("bubblespec_steps_failed_total", "counter",
+               "Steps ended in failure: one of their requests failed max_attempts times (poison requests)."),
     MetricSpec("bubblespec_draft_prompts_announced", "gauge", "Upcoming prompts the draft planner knows."),
     MetricSpec("bubblespec_draft_prompts_covered", "gauge", "Upcoming prompts with at least one draft made."),
     MetricSpec("bubblespec_weight_load_seconds", "histogram", "Seconds a worker took to load new policy weights."),
@@ -96,6 +98,9 @@ SCHEDULER_METRICS: tuple[MetricSpec, ...] = (
                "1 if the draft store answered its last operation, else 0 (only when the scheduler has a store)."),
     MetricSpec("bubblespec_draft_store_errors_total", "counter",
                "Draft store operations that failed (only when the scheduler has a store)."),
+    MetricSpec("bubblespec_journal_rejected_total", "counter",
+               "Step-journal records dropped instead of replayed: MAC mismatch, undecodable, or failing the "
+               "checks a live completion passes (only when the scheduler keeps a journal)."),
 )
 _SPECS = {s.name: s for s in SCHEDULER_METRICS}
 
@@ -123,6 +128,7 @@ class _Tally:
     moved: int = 0
     requeued: int = 0
     stragglers: int = 0
+    steps_failed: int = 0
     load_failures: int = 0
     last_completion: float = 0.0
     steps: dict[str, _StepTally] = field(default_factory=dict)
@@ -141,6 +147,7 @@ class SchedulerMetrics(Collector):
 
     def __init__(self, service: SchedulerService, *, wall_clock: Callable[[], float] = time.time):
         self.core: SchedulerCore = service.core
+        self.service = service
         self.wall_clock = wall_clock
         self.store = None
         self.started_wall = wall_clock()
@@ -163,6 +170,9 @@ class SchedulerMetrics(Collector):
                 self._check_moves(request.step_id)
             case Abort(_, key):
                 self._check_moves(key.split("/", 1)[0])
+            case StepFailed():
+                with self.tally.lock:
+                    self.tally.steps_failed += 1
 
     def _on_deliver(self, step_id: str, completion) -> None:
         prov = completion.provenance
@@ -234,6 +244,9 @@ class SchedulerMetrics(Collector):
         yield from self._collect_core()
         yield from self._collect_tally()
         yield from self._collect_store()
+        journal = self.service.journal
+        if journal is not None:
+            yield family(_SPECS["bubblespec_journal_rejected_total"], [((), journal.rejected)])
 
     def _collect_core(self) -> Iterator[Metric]:
         core = self.core
@@ -295,6 +308,7 @@ class SchedulerMetrics(Collector):
                 family(_SPECS["bubblespec_requests_moved_total"], [((), t.moved)]),
                 family(_SPECS["bubblespec_requests_requeued_total"], [((), t.requeued)]),
                 family(_SPECS["bubblespec_stragglers_detected_total"], [((), t.stragglers)]),
+                family(_SPECS["bubblespec_steps_failed_total"], [((), t.steps_failed)]),
                 family(_SPECS["bubblespec_weight_load_failures_total"], [((), t.load_failures)]),
                 family(_SPECS["bubblespec_grpc_requests_total"], sorted(t.grpc.items())),
                 t.makespan.family(_SPECS["bubblespec_step_makespan_seconds"]),

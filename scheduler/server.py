@@ -8,6 +8,7 @@ health NOT_SERVING, drain running steps, ``stop(grace)``.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import signal
 import time
@@ -26,6 +27,7 @@ from bubblespec.scheduler.metrics import SchedulerMetrics
 from bubblespec.scheduler.service import SchedulerService
 from bubblespec.scheduler.servicers import RolloutServicer, WorkerLinkServicer
 from bubblespec.scheduler.settings import SchedulerSettings
+from bubblespec.scheduler.status_view import StatusView
 
 __all__ = ["Scheduler", "load_tokenizer", "run"]
 
@@ -47,17 +49,13 @@ class Scheduler:
         self.settings = settings
         self.core = SchedulerCore(settings.core, clock=time.monotonic)
         tokenize = load_tokenizer(settings.tokenizer) if settings.tokenizer else None
-        journal = None
-        if settings.redis_url:
-            from bubblespec.scheduler.journal import StepJournal
-            from bubblespec.store import StoreSettings
-
-            journal = StepJournal(StoreSettings(url=settings.redis_url, password=settings.redis_password,
-                                                tls_ca_file=settings.redis_tls_ca_file))
+        journal = _journal(settings)
         self.service = SchedulerService(self.core, tokenize, journal, settings.orphan_grace_seconds)
         self.metrics = SchedulerMetrics(self.service)
+        self.status = StatusView(self.core, settings.status_max_age_seconds)  # /status and the Status RPC
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self.grpc_port = 0
+        self.host = settings.bind_host()  # the address bound (set again, with its warning, by start)
         self.http_port = 0
         self._server: grpc.aio.Server | None = None
         self._http = None
@@ -67,22 +65,24 @@ class Scheduler:
         s = self.settings
         if self.service.journal is not None:
             self.service.journal.start()
+            await self.service.journal.check_eviction()
             policy = await self.service.journal.load_policy()
             if policy is not None:  # a restart: the cluster keeps its policy version
                 self.core.version, self.core.weights_path = policy
                 logger.info("restored policy version %d from the journal", policy[0])
         opts = [("grpc.max_send_message_length", s.max_message_bytes),
-                ("grpc.max_receive_message_length", s.max_message_bytes)]
+                ("grpc.max_receive_message_length", s.max_message_bytes), *_keepalive_options(s)]
         server = grpc.aio.server(options=opts, interceptors=[
             self.metrics.grpc_interceptor(), TokenAuthInterceptor(s.trainer_token, s.worker_token)])
         pbg.add_RolloutServicer_to_server(
-            RolloutServicer(self.service, s.limits, SchedulingPolicy(s.default_policy)), server)
-        pbg.add_WorkerLinkServicer_to_server(WorkerLinkServicer(self.service), server)
+            RolloutServicer(self.service, s.limits, SchedulingPolicy(s.default_policy), self.status), server)
+        pbg.add_WorkerLinkServicer_to_server(WorkerLinkServicer(self.service, s.limits, s.max_message_bytes), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = (*[pb.DESCRIPTOR.services_by_name[n.split(".")[-1]].full_name for n in SERVICES],
                  health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, server)
-        address = f"{s.host}:{s.grpc_port}"
+        self.host = bind_host(s)
+        address = f"{_bracketed(self.host)}:{s.grpc_port}"
         self.grpc_port = (server.add_secure_port(address, _credentials(s)) if s.tls_cert_file
                           else server.add_insecure_port(address))
         await server.start()
@@ -92,14 +92,14 @@ class Scheduler:
         self._tasks.append(asyncio.create_task(self.service.tick_forever(s.tick_seconds)))
         if s.http_port >= 0:
             await self._start_http()
-        logger.info("scheduler serving gRPC on %s:%d, HTTP on %d", s.host, self.grpc_port, self.http_port)
+        logger.info("scheduler serving gRPC on %s:%d, HTTP on %d", self.host, self.grpc_port, self.http_port)
 
     async def _start_http(self) -> None:
         import uvicorn
 
         from bubblespec.scheduler.http import create_app
 
-        config = uvicorn.Config(create_app(self), host=self.settings.host, port=self.settings.http_port,
+        config = uvicorn.Config(create_app(self), host=self.host, port=self.settings.http_port,
                                 log_level="warning", lifespan="off")
         self._http = uvicorn.Server(config)
         self._http.install_signal_handlers = lambda: None  # type: ignore[method-assign]
@@ -130,6 +130,69 @@ class Scheduler:
         self._tasks.clear()
         if self.service.journal is not None:
             await self.service.journal.close()
+
+
+def _keepalive_options(s: SchedulerSettings) -> list[tuple[str, int]]:
+    """Accept the clients' keepalive pings (gRPC's default policy GOAWAYs a client that pings more
+    than once per 5 min without data: a trainer waiting on a long step would be cut), and ping
+    idle connections ourselves."""
+    return [("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", int(s.min_client_ping_seconds * 1000)),
+            ("grpc.http2.max_ping_strikes", 2),
+            ("grpc.keepalive_time_ms", int(s.keepalive_seconds * 1000)),
+            ("grpc.keepalive_timeout_ms", int(s.keepalive_timeout_seconds * 1000)),
+            ("grpc.http2.ping_timeout_ms", int(s.keepalive_timeout_seconds * 1000)),
+            ("grpc.http2.max_pings_without_data", 0)]
+
+
+def _journal(s: SchedulerSettings):
+    """The step journal the settings ask for, or None (no Redis, or no secret to sign it with)."""
+    url = s.journal_redis_url or s.redis_url
+    if not url:
+        return None
+    if not s.journal_secret:
+        logger.warning("step journal OFF: no journal_secret (--journal-secret, BUBBLESPEC_JOURNAL_SECRET); "
+                       "a restarted scheduler will resume no step and restore no policy")
+        return None
+    if not s.journal_redis_url:
+        logger.warning("step journal shares the draft store's Redis: if it evicts keys, journal records go "
+                       "with the drafts; set journal_redis_url to a noeviction Redis")
+    from bubblespec.scheduler.journal import StepJournal
+    from bubblespec.store import StoreSettings
+
+    store = StoreSettings(url=url, password=s.redis_password, tls_ca_file=s.redis_tls_ca_file)
+    return StepJournal(store, s.journal_secret.encode(), finished_ttl_seconds=s.journal_finished_ttl_seconds)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost: assume it reaches the network
+
+
+def bind_host(s: SchedulerSettings) -> str:
+    """The address to bind (``SchedulerSettings.bind_host``), saying loudly when it opens an
+    API without a token to the network."""
+    host, open_apis = s.bind_host(), s.open_apis()
+    if open_apis and not is_loopback(host):
+        logger.warning(
+            "INSECURE: binding %s (not loopback) with no token on the %s API: anyone who can reach this "
+            "address can %s. Set --trainer-token and --worker-token (BUBBLESPEC_TRAINER_TOKEN, "
+            "BUBBLESPEC_WORKER_TOKEN), or leave --host unset to bind 127.0.0.1 only (docs/SECURITY.md)",
+            host, " and ".join(open_apis),
+            " and ".join({"trainer": "run rollouts, update the policy and read /status",
+                          "worker": "join as a worker and answer requests"}[api] for api in open_apis))
+    elif open_apis and not s.host:
+        logger.info("no %s token: serving on loopback (%s) only; set both tokens, or --host, to serve other "
+                    "machines", " or ".join(open_apis), host)
+    return host
+
+
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 async def _set_health(servicer, name: str, status) -> None:

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.client import _convert as cv
 from bubblespec.client.types import Completion, SamplingParams
+from bubblespec.scheduler.core.checks import check_completion, check_replayed
 from bubblespec.scheduler.core.state import SchedulerCore, request_key
 from bubblespec.scheduler.core.types import (
-    Abort, Action, Assign, Deliver, Disconnect, InvalidRequest, LoadPolicy, PolicyReady, StartDraft, StepFinished, StepSpec,
-    StopDraft, WorkerHello,
+    Abort, Action, Assign, Deliver, Disconnect, InvalidRequest, LoadPolicy, PolicyFailed, PolicyReady, StartDraft, StepFailed,
+    StepFinished, StepSpec, StopDraft, WorkerHello,
 )
 
 __all__ = ["SchedulerService", "WorkerLink"]
@@ -93,15 +94,34 @@ class SchedulerService:
                 case StepFinished(step_id, summary):
                     self._publish(step_id, pb.GenerateResponse(summary=cv.summary_to_pb(summary)))
                     self._publish(step_id, _END)
+                    if self.journal is not None:  # delivered: keep it only briefly (retries right after)
+                        self.journal.finish_step(step_id)
                     logger.info("step %s finished: %d completions in %.2fs", step_id, summary.completions,
                                 summary.makespan_seconds)
+                case StepFailed(step_id, field, message):
+                    logger.error("step %s failed: %s: %s", step_id, field, message)
+                    if self.journal is not None:  # a resume after a restart gets the same failure
+                        self.journal.save_failure(step_id, field, message)
+                        self.journal.finish_step(step_id)
+                    self._publish(step_id, action)
+                    self._publish(step_id, _END)
                 case PolicyReady(version, workers):
-                    if self.journal is not None:
+                    if self.journal is not None:  # only a version every live worker loaded is kept
                         self.journal.save_policy(version, self.core.weights_path)
-                    for v, fut in list(self.barriers):
-                        if v <= version and not fut.done():
-                            fut.set_result(workers)
-                    self.barriers = [(v, f) for v, f in self.barriers if not f.done()]
+                    self._end_barrier(version, workers)
+                case PolicyFailed(version, code, field_, message):
+                    logger.error("policy update to version %d failed: %s: %s", version, field_, message)
+                    self._end_barrier(version, InvalidRequest(field_, message, code))
+
+    def _end_barrier(self, version: int, outcome: int | InvalidRequest) -> None:
+        """Answer every ``UpdatePolicy`` call waiting for ``version``: a worker count or an error."""
+        for v, fut in self.barriers:
+            if v == version and not fut.done():
+                if isinstance(outcome, InvalidRequest):
+                    fut.set_exception(outcome)
+                else:
+                    fut.set_result(outcome)
+        self.barriers = [(v, f) for v, f in self.barriers if not f.done()]
 
     def _send(self, worker_id: str, msg: pb.SchedulerMessage) -> None:
         link = self.links.get(worker_id)
@@ -130,6 +150,8 @@ class SchedulerService:
             if existing.summary is not None:
                 queue.put_nowait(pb.GenerateResponse(summary=cv.summary_to_pb(existing.summary)))
                 queue.put_nowait(_END)
+            elif existing.failure is not None:  # the same failure, not a re-run
+                raise _failed(existing.failure)
             elif existing.cancelled:
                 raise InvalidRequest("step_id", f"step {spec.step_id!r} was cancelled", "CANCELLED")
         self.subscribers.setdefault(spec.step_id, []).append(queue)
@@ -139,6 +161,8 @@ class SchedulerService:
                     self.journal.save_step(spec.step_id, spec.fingerprint)
                 self.execute(self.core.submit_step(spec, done))
             while (msg := await queue.get()) is not _END:
+                if isinstance(msg, StepFailed):
+                    raise _failed(msg)
                 yield msg
             step = self.core.steps.get(spec.step_id)
             if step is not None and step.cancelled:
@@ -163,8 +187,17 @@ class SchedulerService:
         fingerprint, done = prior
         if fingerprint != spec.fingerprint:
             raise InvalidRequest("step_id", f"step {spec.step_id!r} exists with different content", "ALREADY_EXISTS")
-        logger.info("step %s resumed from the journal: %d completions already delivered", spec.step_id, len(done))
-        return done
+        failure = await self.journal.load_failure(spec.step_id)
+        if failure is not None:  # an earlier scheduler ended it in failure: the same failure, not a re-run
+            raise _failed(StepFailed(spec.step_id, *failure))
+        kept = {}
+        for key, c in done.items():  # authentic (MAC checked), but checked like a live completion too
+            try:
+                kept[key] = check_replayed(c, key, spec, self.core.limits)
+            except InvalidRequest as exc:
+                self.journal.reject(f"a completion of step {spec.step_id!r}", str(exc))
+        logger.info("step %s resumed from the journal: %d completions already delivered", spec.step_id, len(kept))
+        return kept
 
     def _cancel_orphan(self, step_id: str) -> None:
         step = self.core.steps.get(step_id)
@@ -173,14 +206,17 @@ class SchedulerService:
             self.execute(self.core.cancel_step(step_id))
 
     async def update_policy(self, version: int, weights_path: str) -> int:
+        """Wait for every live worker to load ``version`` (a retry with the same version and
+        path joins the update in progress, or gets the answer of the one that succeeded);
+        raises ``InvalidRequest`` when it failed, naming each worker that did not load it."""
         fut = asyncio.get_running_loop().create_future()
         self.barriers.append((version, fut))
         try:
             self.execute(self.core.update_policy(version, weights_path))
-        except InvalidRequest:
-            self.barriers.remove((version, fut))
-            raise
-        return await fut
+            return await fut
+        finally:
+            if (version, fut) in self.barriers:  # refused, or the caller went away: the update goes on
+                self.barriers.remove((version, fut))
 
     def announce(self, prompts: list[tuple[int, ...]], sampling: SamplingParams) -> int:
         return self.core.announce(prompts, sampling)
@@ -197,7 +233,7 @@ class SchedulerService:
         old = self.links.pop(hello.worker_id, None)
         if old is not None:  # a reconnect supersedes the old stream
             old.close()
-            self.execute(self.core.remove_worker(hello.worker_id))
+            self.execute(self.core.remove_worker(hello.worker_id, "the worker reconnected while running it"))
         actions = self.core.add_worker(hello)
         link = WorkerLink(hello.worker_id)
         self.links[hello.worker_id] = link
@@ -208,7 +244,7 @@ class SchedulerService:
     def detach_worker(self, link: WorkerLink) -> None:
         if self.links.get(link.worker_id) is link:
             del self.links[link.worker_id]
-            self.execute(self.core.remove_worker(link.worker_id))
+            self.execute(self.core.remove_worker(link.worker_id, "the worker's stream ended while running it"))
             logger.info("worker %s left", link.worker_id)
 
     def on_worker_message(self, worker_id: str, msg: pb.WorkerMessage) -> None:
@@ -229,9 +265,16 @@ class SchedulerService:
             core.on_progress(worker_id, msg.progress.request_key, msg.progress.generated_tokens)
         elif kind == "completion":
             c = _checked_completion(msg.completion, core.limits)
+            wanted = _requested_version(core, msg.completion.request_key)
+            if c.policy_version != wanted:  # made with other weights than asked: a failed attempt
+                logger.error("worker %s: completion of %.80r is from policy version %d, the request asked for %d; "
+                             "running it again", worker_id, msg.completion.request_key, c.policy_version, wanted)
+                self.execute(core.on_aborted(worker_id, msg.completion.request_key,
+                                             f"completion from policy version {c.policy_version}, not {wanted}"))
+                return
             self.execute(core.on_completion(worker_id, msg.completion.request_key, _stamp(c, worker_id)))
         elif kind == "aborted":
-            self.execute(core.on_aborted(worker_id, msg.aborted.request_key))
+            self.execute(core.on_aborted(worker_id, msg.aborted.request_key, msg.aborted.reason))
         elif kind == "policy_loaded":
             m = msg.policy_loaded
             w = core.workers.get(worker_id)
@@ -243,7 +286,7 @@ class SchedulerService:
                 logger.error("worker %s failed to load version %d: %s", worker_id, m.version, m.error)
             for listener in self.load_listeners:
                 listener(worker_id, m.version, m.ok, m.seconds)
-            self.execute(core.on_policy_loaded(worker_id, m.version, m.ok))
+            self.execute(core.on_policy_loaded(worker_id, m.version, m.ok, m.error, m.weights_unknown))
         elif kind == "draft_result":
             self.execute(core.on_draft_result(worker_id, msg.draft_result.job_id, msg.draft_result.tokens,
                                               msg.draft_result.finished))
@@ -268,10 +311,21 @@ class SchedulerService:
             link.close()
 
 
+def _failed(failure: StepFailed) -> InvalidRequest:
+    """A failed step, as the trainer sees it: FAILED_PRECONDITION naming the prompt (the SDK
+    raises ``PreconditionFailed``, a fatal error: the same step id returns the same failure)."""
+    return InvalidRequest(failure.field, failure.message, "FAILED_PRECONDITION")
+
+
 def _stamp(c: Completion, worker_id: str) -> Completion:
     from dataclasses import replace
 
     return replace(c, worker_id=worker_id)
+
+
+def _requested_version(core: SchedulerCore, key: str) -> int:
+    """The policy version the request ``key`` (held by a worker: see ``_holds``) asked for."""
+    return core.steps[key.split("/", 1)[0]].requests[key].spec.policy_version
 
 
 def _holds(core: SchedulerCore, worker_id: str, key: str) -> bool:
@@ -282,13 +336,6 @@ def _holds(core: SchedulerCore, worker_id: str, key: str) -> bool:
 
 
 def _checked_completion(msg: pb.WorkerCompletion, limits) -> Completion:
-    """A worker's completion, refused when it names another request or leaves the vocabulary."""
-    c = cv.completion_from_pb(msg.completion)
-    if request_key(c.step_id, c.prompt_id, c.sample_index) != msg.request_key:
-        raise InvalidRequest("completion.completion", f"is for {c.step_id!r:.40}/{c.prompt_id!r:.40}/{c.sample_index}, "
-                             f"not for its request_key {msg.request_key!r:.80}")
-    vocab = limits.vocab_size if limits is not None else 0
-    bad = next((t for t in c.token_ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise InvalidRequest("completion.completion.token_ids", f"{bad} is outside the vocabulary [0, {vocab})")
-    return c
+    """A worker's completion, refused when it names another request or leaves the vocabulary
+    (the same check a completion replayed from the journal passes: ``core.checks``)."""
+    return check_completion(cv.completion_from_pb(msg.completion), msg.request_key, limits)

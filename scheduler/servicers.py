@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 
 import grpc
@@ -12,8 +11,12 @@ from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.api.v1 import rollout_pb2_grpc as pbg
 from bubblespec.client import _convert as cv
 from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits, WorkerHello
-from bubblespec.scheduler.core.validate import Limits, build_step, check_id, check_sampling, prompt_tokens
+from bubblespec.scheduler.core.validate import (
+    Limits, build_step, check_id, check_request_bytes, check_sampling, check_weights_path, prompt_tokens,
+    worker_message_bound,
+)
 from bubblespec.scheduler.service import SchedulerService
+from bubblespec.scheduler.status_view import StatusView
 
 __all__ = ["RolloutServicer", "WorkerLinkServicer"]
 
@@ -25,10 +28,11 @@ async def _abort(context: grpc.aio.ServicerContext, exc: InvalidRequest) -> None
 
 
 class RolloutServicer(pbg.RolloutServicer):
-    def __init__(self, service: SchedulerService, limits: Limits, default_policy):
+    def __init__(self, service: SchedulerService, limits: Limits, default_policy, status: StatusView | None = None):
         self.service = service
         self.limits = limits
         self.default_policy = default_policy
+        self.status = status or StatusView(service.core)  # shared with /status: one document serves both
 
     def _model(self) -> ModelLimits:
         if self.service.core.limits is None:
@@ -37,6 +41,7 @@ class RolloutServicer(pbg.RolloutServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context):
         try:
+            check_request_bytes(request.ByteSize(), self.limits.max_request_bytes)
             spec = build_step(
                 step_id=request.step_id, policy_version=request.policy_version,
                 prompts=[cv.prompt_from_pb(p) for p in request.prompts],
@@ -53,12 +58,13 @@ class RolloutServicer(pbg.RolloutServicer):
 
     async def Announce(self, request: pb.AnnounceRequest, context):
         try:
+            check_request_bytes(request.ByteSize(), self.limits.max_announce_bytes)
             model = self._model()
             sampling = cv.sampling_from_pb(request.sampling)
             check_sampling(sampling, self.limits, model)
             if len(request.prompts) > self.limits.max_lookahead:
                 raise InvalidRequest("prompts", f"at most {self.limits.max_lookahead} prompts")
-            ids = [prompt_tokens(cv.prompt_from_pb(p), f"prompts[{i}]", model, self.service.tokenize)
+            ids = [prompt_tokens(cv.prompt_from_pb(p), f"prompts[{i}]", model, self.service.tokenize, self.limits)
                    for i, p in enumerate(request.prompts)]
             return pb.AnnounceResponse(accepted=self.service.announce(ids, sampling))
         except InvalidRequest as exc:
@@ -66,20 +72,22 @@ class RolloutServicer(pbg.RolloutServicer):
 
     async def UpdatePolicy(self, request: pb.UpdatePolicyRequest, context):
         try:
+            check_weights_path(request.weights_path, self.limits)
             loaded = await self.service.update_policy(request.version, request.weights_path)
             return pb.UpdatePolicyResponse(version=request.version, workers_loaded=loaded)
         except InvalidRequest as exc:
             await _abort(context, exc)
 
     async def Status(self, request: pb.StatusRequest, context):
-        snap = self.service.core.status()
+        doc = await self.status.document(current=True)
+        snap = doc.view
         workers = [pb.WorkerStatus(worker_id=w["worker_id"], state=w["state"], policy_version=w["policy_version"],
                                    running=w["running"], capacity=w["capacity"],
                                    tokens_per_second=w["tokens_per_second"]) for w in snap["workers"]]
         steps = [cv.summary_to_pb(s.summary) for s in self.service.core.steps.values() if s.summary is not None]
         return pb.StatusResponse(policy_version=snap["policy_version"], workers=workers, steps=steps,
                                  requests_waiting=snap["requests_waiting"], requests_running=snap["requests_running"],
-                                 json=json.dumps(snap))
+                                 json=doc.body.decode())
 
     async def Cancel(self, request: pb.CancelRequest, context):
         try:
@@ -89,8 +97,10 @@ class RolloutServicer(pbg.RolloutServicer):
 
 
 class WorkerLinkServicer(pbg.WorkerLinkServicer):
-    def __init__(self, service: SchedulerService):
+    def __init__(self, service: SchedulerService, limits: Limits = Limits(), max_message_bytes: int = 64 * 2**20):
         self.service = service
+        self.limits = limits
+        self.max_message_bytes = max_message_bytes  # the scheduler's gRPC send limit
 
     async def Connect(self, request_iterator, context):
         first = await anext(aiter(request_iterator), None)
@@ -99,8 +109,10 @@ class WorkerLinkServicer(pbg.WorkerLinkServicer):
                 raise InvalidRequest("hello", "the first worker message must be hello")
             h = first.hello
             check_id(h.worker_id, "hello.worker_id")
+            self._check_message_bound(h.max_model_len)
             link = self.service.attach_worker(WorkerHello(
-                h.worker_id, h.capacity, h.policy_version, ModelLimits(h.max_model_len, h.vocab_size), h.speculation))
+                h.worker_id, h.capacity, h.policy_version, ModelLimits(h.max_model_len, h.vocab_size), h.speculation,
+                h.logprobs_mode or "processed"))
         except InvalidRequest as exc:
             await _abort(context, exc)
             return
@@ -111,6 +123,14 @@ class WorkerLinkServicer(pbg.WorkerLinkServicer):
         finally:
             reader.cancel()
             self.service.detach_worker(link)
+
+    def _check_message_bound(self, max_model_len: int) -> None:
+        """Refuse a worker whose model length would let a valid request make an assignment
+        larger than the scheduler may send: the send would break the worker's stream."""
+        bound = worker_message_bound(self.limits, max_model_len)
+        if bound > self.max_message_bytes:
+            raise InvalidRequest("hello.max_model_len", f"assignments for {max_model_len} tokens may take {bound} bytes, "
+                                 f"over the scheduler's max_message_bytes {self.max_message_bytes}", "FAILED_PRECONDITION")
 
     async def _read(self, worker_id: str, request_iterator, link) -> None:
         try:

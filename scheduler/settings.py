@@ -16,8 +16,11 @@ __all__ = ["SchedulerSettings"]
 
 @dataclass(frozen=True)
 class SchedulerSettings:
-    host: str = "0.0.0.0"
-    """Address both servers bind to."""
+    host: str = ""
+    """Address both servers bind to. '' = safe default: all interfaces (0.0.0.0) when both
+    trainer_token and worker_token are set, else loopback (127.0.0.1), so that a scheduler
+    started without tokens is not open to the network. An explicit non-loopback address
+    without both tokens is honoured with a warning in the log (``bind_host``)."""
     grpc_port: int = 50051
     """Trainer and worker gRPC API (0 = pick a free port)."""
     http_port: int = 8080
@@ -30,6 +33,20 @@ class SchedulerSettings:
     """Redis password."""
     redis_tls_ca_file: str = ""
     """PEM CA for a rediss:// URL."""
+    journal_redis_url: str = ""
+    """Redis of the step journal (what a restarted scheduler resumes from; '' = ``redis_url``).
+    Use a Redis, or a Redis instance, with ``maxmemory-policy noeviction``: the draft store's
+    Redis usually evicts (drafts are a cache) and would drop journal records with the drafts;
+    a separate database of the same instance shares its eviction. ``redis_password`` and
+    ``redis_tls_ca_file`` apply to it too (a password inside this URL wins)."""
+    journal_secret: str = field(default="", repr=False)
+    """Key of the HMAC-SHA256 that authenticates every journal record (at least 16 bytes; keep
+    it the same across restarts). '' = no journal: a restarted scheduler resumes no step and
+    restores no policy (logged as a warning when a Redis is configured)."""
+    journal_finished_ttl_seconds: int = 600
+    """How long a step's journal record is kept once its summary was sent: a trainer that
+    retries ``Generate`` within this after a scheduler restart gets the step replayed; later
+    the step id is unknown again and the step runs afresh."""
     trainer_token: str = field(default="", repr=False)
     """Bearer token trainers must send ('' = no authentication)."""
     worker_token: str = field(default="", repr=False)
@@ -41,7 +58,18 @@ class SchedulerSettings:
     tls_client_ca_file: str = ""
     """PEM CA that client certificates must chain to (mutual TLS)."""
     max_message_bytes: int = 64 * 2**20
-    """Largest gRPC message accepted or sent."""
+    """Largest gRPC message accepted or sent. Every message to a worker fits in it: a worker
+    whose model length would allow a larger assignment under ``limits`` is refused at hello
+    (``validate.worker_message_bound``). Workers must accept messages this large
+    (``WorkerSettings.max_message_bytes`` >= this; equal by default)."""
+    min_client_ping_seconds: float = 2.0
+    """Shortest gap between HTTP/2 keepalive pings a trainer or worker may send, with or without
+    a call running (the SDK and workers ping every 5 s); a faster pinger is told GOAWAY."""
+    keepalive_seconds: float = 20.0
+    """The scheduler pings a connection idle this long, and closes it when the ping is not answered
+    within ``keepalive_timeout_seconds``: a vanished trainer's step is then orphaned at once."""
+    keepalive_timeout_seconds: float = 10.0
+    """How long the scheduler waits for the answer to its keepalive ping."""
     tick_seconds: float = 0.25
     """Period of the straggler and liveness checks."""
     drain_seconds: float = 30.0
@@ -51,10 +79,24 @@ class SchedulerSettings:
     trainer re-attaching (the SDK re-attaches within seconds on retryable errors)."""
     default_policy: str = "queue"
     """Scheduling policy of steps that name none: static | queue | longest-first."""
+    status_max_age_seconds: float = 0.5
+    """/status and the Status RPC reuse a built status document for this long: any number of
+    pollers cost one build per period (a build takes milliseconds of event-loop time per
+    hundred workers)."""
     limits: Limits = Limits()
     """Request-size limits."""
     core: CoreSettings = CoreSettings()
     """Scheduling-core tunables."""
+
+    def open_apis(self) -> list[str]:
+        """The gRPC APIs that take calls without a token."""
+        return [api for api, token in (("trainer", self.trainer_token), ("worker", self.worker_token)) if not token]
+
+    def bind_host(self) -> str:
+        """The address to bind: ``host``, or the safe default when it is ''."""
+        if self.host:
+            return self.host
+        return "127.0.0.1" if self.open_apis() else "0.0.0.0"
 
     def __repr__(self) -> str:
         """Secrets hidden: tokens and passwords are not shown, nor a password inside the URL."""
@@ -67,7 +109,7 @@ class SchedulerSettings:
             if not f.repr:
                 continue
             value = getattr(self, f.name)
-            if f.name == "redis_url" and value:
+            if f.name in ("redis_url", "journal_redis_url") and value:
                 value = StoreSettings(url=value).redacted_url
             shown.append(f"{f.name}={value!r}")
         return f"SchedulerSettings({', '.join(shown)})"

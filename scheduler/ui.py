@@ -1,7 +1,8 @@
 """The scheduler's live page, served at ``/ui``: one self-contained HTML document.
 
 Inline CSS and vanilla JS, no build step, no CDN (clusters often have no internet). It polls
-``status`` (relative, so it also works behind a path prefix) every second and draws:
+``status`` (relative, so it also works behind a path prefix) every second, with the trainer
+token from ``/ui?token=...`` as a bearer header when the scheduler has one, and draws:
 
 - ``#workers``: one ``tr.worker`` per worker (id, state, policy version, running/capacity,
   queued, tokens/s, share of time busy / idle / drafting);
@@ -259,10 +260,26 @@ function render(snap) {
   renderSteps(snap);
 }
 
+// With a trainer token set, the page is opened as /ui?token=TOKEN: the token moves to this
+// tab's sessionStorage, leaves the address bar, and goes to /status as a bearer header.
+const TOKEN = (() => {
+  const url = new URL(location.href);
+  const fromUrl = url.searchParams.get("token");
+  if (fromUrl !== null) {
+    sessionStorage.setItem("bubblespec-token", fromUrl);
+    url.searchParams.delete("token");
+    history.replaceState(null, "", url.pathname + url.search + url.hash);
+  }
+  return sessionStorage.getItem("bubblespec-token") || "";
+})();
+
 async function poll() {
   const conn = document.getElementById("conn");
   try {
-    const resp = await fetch("status", {cache: "no-store"});
+    const headers = TOKEN ? {Authorization: `Bearer ${TOKEN}`} : {};
+    const resp = await fetch("status", {cache: "no-store", headers});
+    if (resp.status === 401 || resp.status === 403)
+      throw new Error(`status ${resp.status}: open this page as /ui?token=<trainer token>`);
     if (!resp.ok) throw new Error(`status ${resp.status}`);
     render(await resp.json());
     conn.className = "ok"; conn.textContent = "live";

@@ -8,6 +8,7 @@ Exceptions::
     StoreError
     ├── StoreUnavailable    backend unreachable, refused or timed out
     └── CorruptEntry        undecodable stored bytes (skipped and counted by the stores)
+        └── OversizedEntry  stored bytes over ``max_entry_bytes`` (skipped and counted too)
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .types import (
     CorruptEntry,
     DraftEntry,
     DraftSource,
+    OversizedEntry,
     StoreError,
     StoreUnavailable,
     prompt_key,
@@ -37,6 +39,7 @@ __all__ = [
     "DraftSource",
     "DraftStore",
     "MemoryStore",
+    "OversizedEntry",
     "RedisStore",
     "ResilientStore",
     "StoreError",

@@ -23,6 +23,8 @@ class StoreStats:
     """Stored entries or lengths that could not be decoded and were skipped."""
     op_seconds_sum: float = 0.0
     """Total wall time spent in operations, in seconds."""
+    oversized_entries: int = 0
+    """Draft entries over ``max_entry_bytes``: not written, or skipped unread when read back."""
 
 
 class StatsRecorder:
@@ -32,6 +34,7 @@ class StatsRecorder:
         self._ops = 0
         self._errors = 0
         self._corrupt = 0
+        self._oversized = 0
         self._seconds = 0.0
 
     def record_op(self, seconds: float, *, failed: bool = False) -> None:
@@ -45,9 +48,13 @@ class StatsRecorder:
         """Count ``count`` skipped undecodable entries."""
         self._corrupt += count
 
+    def record_oversized(self, count: int = 1) -> None:
+        """Count ``count`` draft entries dropped for being over the size cap."""
+        self._oversized += count
+
     def snapshot(self) -> StoreStats:
         """Return the counters as a frozen value."""
-        return StoreStats(self._ops, self._errors, self._corrupt, self._seconds)
+        return StoreStats(self._ops, self._errors, self._corrupt, self._seconds, self._oversized)
 
 
 @runtime_checkable

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import struct
 
-from .types import CorruptEntry, DraftEntry, DraftSource, uint32_array, uint32_from_bytes
+from .types import CorruptEntry, DraftEntry, DraftSource, OversizedEntry, uint32_array, uint32_from_bytes
 
 __all__ = [
     "FORMAT_VERSION",
@@ -70,14 +70,17 @@ def encode_entry(entry: DraftEntry) -> bytes:
     return b"".join((prefix, step_bytes, _COUNT.pack(len(tokens)), tokens.tobytes()))
 
 
-def decode_entry(data: bytes | bytearray | memoryview) -> DraftEntry:
-    """Decode bytes written by ``encode_entry``; raise CorruptEntry naming what is wrong."""
+def decode_entry(data: bytes | bytearray | memoryview, max_bytes: int | None = None) -> DraftEntry:
+    """Decode bytes written by ``encode_entry``; raise CorruptEntry naming what is wrong
+    (``OversizedEntry``, before any decoding, for more than ``max_bytes`` bytes)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise CorruptEntry(f"expected bytes, got {type(data).__name__}")
     try:
         view = memoryview(data).cast("B")
     except (TypeError, ValueError) as exc:
         raise CorruptEntry(f"unreadable buffer: {exc}") from None
+    if max_bytes is not None and len(view) > max_bytes:
+        raise OversizedEntry(f"entry is {len(view)} bytes, over the {max_bytes}-byte cap")
     if len(view) < _PREFIX.size:
         raise CorruptEntry(
             f"entry is {len(view)} bytes, shorter than the {_PREFIX.size}-byte header"

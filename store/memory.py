@@ -19,6 +19,7 @@ from .settings import StoreSettings
 from .types import (
     CorruptEntry,
     DraftEntry,
+    OversizedEntry,
     StoreUnavailable,
     check_length,
     check_prompt_key,
@@ -63,6 +64,9 @@ class MemoryStore:
         check_prompt_key(prompt_key)
         encoded = encode_entry(entry)
         with self._op():
+            if len(encoded) > self._settings.max_entry_bytes:  # dropped like Redis drops it
+                self._stats.record_oversized()
+                return
             self._push(self._drafts, prompt_key, encoded, self._settings.max_entries_per_prompt)
 
     async def get_drafts(self, prompt_keys: Sequence[str]) -> dict[str, list[DraftEntry]]:
@@ -126,7 +130,9 @@ class MemoryStore:
         entries = []
         for data in encoded:
             try:
-                entries.append(decode_entry(data))
+                entries.append(decode_entry(data, self._settings.max_entry_bytes))
+            except OversizedEntry:
+                self._stats.record_oversized()
             except CorruptEntry:
                 self._stats.record_corrupt()
         return entries

@@ -31,6 +31,7 @@ from .settings import StoreSettings
 from .types import (
     CorruptEntry,
     DraftEntry,
+    OversizedEntry,
     StoreUnavailable,
     check_length,
     check_prompt_key,
@@ -74,7 +75,13 @@ class RedisStore:
     async def put_draft(self, prompt_key: str, entry: DraftEntry) -> None:
         key = draft_key(self._settings.key_prefix, check_prompt_key(prompt_key))
         bound = self._settings.max_entries_per_prompt
-        await self._push("put_draft", key, encode_entry(entry), bound)
+        encoded = encode_entry(entry)
+        if len(encoded) > self._settings.max_entry_bytes:
+            self._stats.record_oversized()
+            logger.warning("draft store: not writing a %d-byte draft of prompt %s (max_entry_bytes %d)",
+                           len(encoded), prompt_key, self._settings.max_entry_bytes)
+            return
+        await self._push("put_draft", key, encoded, bound)
 
     async def get_drafts(self, prompt_keys: Sequence[str]) -> dict[str, list[DraftEntry]]:
         keys = unique_prompt_keys(prompt_keys)
@@ -154,7 +161,10 @@ class RedisStore:
         entries: list[DraftEntry] = []
         for data in items:
             try:
-                entries.append(decode_entry(data))
+                entries.append(decode_entry(data, self._settings.max_entry_bytes))
+            except OversizedEntry as exc:
+                self._stats.record_oversized()
+                logger.warning("draft store: skipped oversized draft entry of prompt %s: %s", prompt_key, exc)
             except CorruptEntry as exc:
                 self._skip_corrupt("draft entry", prompt_key, exc)
         return entries

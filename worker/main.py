@@ -9,13 +9,17 @@ import signal
 from bubblespec.store import StoreSettings, open_store
 from bubblespec.worker.agent import WorkerAgent, WorkerSettings
 from bubblespec.worker.engine import VllmEngine
+from bubblespec.worker.lifeline import exit_after
 
 __all__ = ["run"]
 
 logger = logging.getLogger(__name__)
 
 
-async def serve(settings: WorkerSettings, store_settings: StoreSettings, metrics_port: int) -> None:
+async def serve(settings: WorkerSettings, store_settings: StoreSettings, metrics_port: int,
+                shutdown_seconds: float = 90.0) -> None:
+    """Run until SIGTERM/SIGINT, then stop the agent and the engine; a shutdown that takes
+    longer than ``shutdown_seconds`` ends the process (its engine processes die with it)."""
     engine = VllmEngine(settings.engine)
     await engine.start()
     store = open_store(store_settings, resilient=True) if store_settings.url else None
@@ -27,8 +31,15 @@ async def serve(settings: WorkerSettings, store_settings: StoreSettings, metrics
         http = await start_http(agent, metrics_port)
     loop = asyncio.get_running_loop()
     task = asyncio.create_task(agent.run())
+    deadline = []
+
+    def on_signal() -> None:
+        if not deadline:
+            deadline.append(exit_after(shutdown_seconds, "worker shutdown"))
+        asyncio.ensure_future(agent.stop())
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(agent.stop()))
+        loop.add_signal_handler(sig, on_signal)
     try:
         await task
     finally:
@@ -39,5 +50,6 @@ async def serve(settings: WorkerSettings, store_settings: StoreSettings, metrics
         await engine.shutdown()
 
 
-def run(settings: WorkerSettings, store_settings: StoreSettings, metrics_port: int) -> None:
-    asyncio.run(serve(settings, store_settings, metrics_port))
+def run(settings: WorkerSettings, store_settings: StoreSettings, metrics_port: int,
+        shutdown_seconds: float = 90.0) -> None:
+    asyncio.run(serve(settings, store_settings, metrics_port, shutdown_seconds))

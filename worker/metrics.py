@@ -44,6 +44,8 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
                "Draft store operations that failed (unreachable, refused, timed out)."),
     MetricSpec("bubblespec_draft_store_corrupt_entries_total", "counter",
                "Stored drafts or lengths that could not be decoded and were skipped."),
+    MetricSpec("bubblespec_draft_store_oversized_entries_total", "counter",
+               "Draft entries over the store's max_entry_bytes: not written, or skipped unread."),
     MetricSpec("bubblespec_draft_store_op_seconds", "histogram",
                "Duration of draft store operations (bucketed at each scrape interval's mean)."),
 )
@@ -92,6 +94,7 @@ class WorkerMetrics(Collector):
         yield family(_SPECS["bubblespec_draft_store_ops_total"], [((), stats.ops)])
         yield family(_SPECS["bubblespec_draft_store_errors_total"], [((), stats.errors)])
         yield family(_SPECS["bubblespec_draft_store_corrupt_entries_total"], [((), stats.corrupt_entries)])
+        yield family(_SPECS["bubblespec_draft_store_oversized_entries_total"], [((), stats.oversized_entries)])
         with self._lock:  # concurrent scrapes must not count one interval twice
             ops, seconds = stats.ops - self._seen_ops, stats.op_seconds_sum - self._seen_seconds
             if ops > 0:

@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from bubblespec.client.types import FinishReason, Provenance
+from bubblespec.worker.checkpoint import CheckpointError
 from bubblespec.worker.engine import EngineInfo, EngineOutput, EngineRequest
 
 __all__ = ["EOS_TOKEN_ID", "SimEngineSettings", "SimulatedEngine"]
@@ -170,7 +171,7 @@ class SimulatedEngine:
 
     async def load_weights(self, path: str) -> None:
         if not path:
-            raise ValueError("weights_path is empty")
+            raise CheckpointError("weights_path is empty")  # refused: nothing changed
         await asyncio.sleep(self.settings.load_seconds)
         self.weights_path = path
         self.loads += 1

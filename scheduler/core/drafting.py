@@ -13,11 +13,25 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from bubblespec.client.types import SamplingParams
+from bubblespec.scheduler.core.types import InvalidRequest
 
-__all__ = ["DraftPlanner", "Upcoming"]
+__all__ = ["DRAFT_SEEDS", "DraftPlanner", "Upcoming", "draft_seed"]
+
+DRAFT_SEEDS = (3 * 2**61, 2**63)
+"""Draft jobs' seeds: [3·2**61, 2**63). A request's seed is below 2**62 + n (validation
+caps ``sampling.seed`` at 2**62, sample i adds i), so no draft ever shares a request's seed,
+and with it the random stream that verifies the draft (docs/EXACTNESS.md)."""
+
+
+def draft_seed(rng: random.Random) -> int:
+    """A fresh seed for one draft job, from the scheduler's own ``rng``: each job draws new
+    noise (the ``n`` drafts of one prompt differ), never a request's seed."""
+    return rng.randrange(*DRAFT_SEEDS)
 
 
 @dataclass
@@ -78,6 +92,18 @@ class DraftPlanner:
             up.drafts += 1
         if up.drafts < up.wanted:
             self._push(token_ids)
+
+    def check_room(self, prompts: Iterable[tuple[int, ...]], limit: int, field: str,
+                   leaving: Iterable[tuple[int, ...]] = ()) -> None:
+        """Refuse (RESOURCE_EXHAUSTED naming ``field``, nothing changed) announcing ``prompts``
+        when more than ``limit`` prompts would then be upcoming; ``leaving``: prompts forgotten
+        first (a step's own prompts, whose step has arrived)."""
+        gone = {p for p in leaving if p in self.upcoming}
+        new = {p for p in prompts if p not in self.upcoming or p in gone}
+        total = len(self.upcoming) - len(gone) + len(new)
+        if total > limit:
+            raise InvalidRequest(field, f"{len(new)} new prompts would make {total} announced prompts wait for "
+                                 f"their step, over the limit of {limit} (max_announced_prompts)", "RESOURCE_EXHAUSTED")
 
     def coverage(self) -> tuple[int, int]:
         """(prompts with at least one draft, prompts announced)."""

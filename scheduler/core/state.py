@@ -14,16 +14,18 @@ straggler, goes to the step's shared queue. A worker with nothing left to take d
 from __future__ import annotations
 
 import itertools
+import random
 import statistics
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from bubblespec.client.types import Completion, Provenance, SamplingParams, SchedulingPolicy, StepSummary
-from bubblespec.scheduler.core.drafting import DraftPlanner
+from bubblespec.client.types import LOGPROBS_MODES, Completion, Provenance, SamplingParams, SchedulingPolicy, StepSummary
+from bubblespec.scheduler.core.drafting import DraftPlanner, draft_seed
+from bubblespec.scheduler.core.policy import PolicyBarrier
 from bubblespec.scheduler.core.types import (
     Abort, Action, Assign, Deliver, Disconnect, DraftJobSpec, InvalidRequest, LoadPolicy, ModelLimits,
-    PolicyReady, RequestSpec, StartDraft, StepFinished, StepSpec, StopDraft, Timeline, WorkerHello,
+    PolicyReady, RequestSpec, StartDraft, StepFailed, StepFinished, StepSpec, StopDraft, Timeline, WorkerHello,
 )
 
 __all__ = ["CoreSettings", "SchedulerCore"]
@@ -52,6 +54,22 @@ class CoreSettings:
     """Draft jobs one idle worker runs at once (spreads drafting over the idle workers)."""
     timeline_segments: int = 256
     """Timeline segments kept per worker (for the UI)."""
+    max_active_steps: int = 16
+    """Steps running at once; a Generate for a new step beyond it is refused with
+    RESOURCE_EXHAUSTED naming ``step_id`` (a resumed step is not new). Global: trainers share
+    the trainer token, so the scheduler cannot tell one from another."""
+    max_announced_prompts: int = 131_072
+    """Announced prompts (Announce, and Generate's lookahead) waiting in the draft planner for
+    their step. An Announce or Generate that would leave more is refused with
+    RESOURCE_EXHAUSTED naming ``prompts`` / ``lookahead``, and announces nothing. Global, like
+    ``max_active_steps``."""
+    max_attempts: int = 3
+    """Failed attempts of one request before its step fails (``StepFailed``). A failed attempt
+    is a request taken back from a worker that was running it: the worker reported it aborted
+    (its engine errored or refused it), the worker's stream ended or it fell silent while
+    running it, or it made no progress for ``stall_seconds``. Queued work moved off a
+    straggler, or never started on a worker that left, is not an attempt. Without a cap, a
+    request that breaks every worker (or its stream) would go round them forever."""
 
 
 @dataclass
@@ -86,6 +104,7 @@ class RequestState:
     progress_at: float = 0.0
     done: bool = False
     moved_from: str | None = None  # the worker it was moved off: it goes back there only if no one else can run it
+    failures: list[tuple[str, str]] = field(default_factory=list)  # failed attempts: (worker id, reason)
 
 
 @dataclass
@@ -103,6 +122,7 @@ class StepState:
     idle: float = 0.0
     drafting: float = 0.0
     summary: StepSummary | None = None
+    failure: StepFailed | None = None  # set when the step ended in failure (no summary then)
 
     @property
     def active(self) -> bool:
@@ -110,9 +130,13 @@ class StepState:
 
 
 class SchedulerCore:
-    def __init__(self, settings: CoreSettings = CoreSettings(), clock: Callable[[], float] = lambda: 0.0):
+    def __init__(self, settings: CoreSettings = CoreSettings(), clock: Callable[[], float] = lambda: 0.0,
+                 rng: random.Random | None = None):
+        """``rng``: where draft jobs' seeds come from (``drafting.draft_seed``); a fresh
+        OS-seeded one by default, a seeded one makes the core deterministic."""
         self.settings = settings
         self.clock = clock
+        self.rng = rng if rng is not None else random.Random()
         self.workers: dict[str, WorkerState] = {}
         self.steps: dict[str, StepState] = {}
         self.version = 0
@@ -121,7 +145,7 @@ class SchedulerCore:
         self.planner = DraftPlanner()
         self.lengths: dict[int, float] = {}  # _length_key(prompt) -> running mean of response lengths
         self.length_ratio = 0.0  # running mean of response length / prompt length, for unseen prompts
-        self._barrier: int | None = None
+        self._barrier: PolicyBarrier | None = None  # the update in progress; ``version`` moves when it succeeds
         self._loading: set[str] = set()  # workers the barrier still waits for
         self._jobs = itertools.count()
         self._drafts_wanted = False  # the latest step asked for drafts of its lookahead
@@ -134,11 +158,14 @@ class SchedulerCore:
             raise InvalidRequest("hello.worker_id", f"worker {hello.worker_id!r} is already connected", "ALREADY_EXISTS")
         if hello.capacity < 1:
             raise InvalidRequest("hello.capacity", f"must be >= 1, got {hello.capacity}")
+        if hello.logprobs_mode not in LOGPROBS_MODES:
+            raise InvalidRequest("hello.logprobs_mode", f"must be one of {', '.join(LOGPROBS_MODES)}, "
+                                 f"got {hello.logprobs_mode!r:.40}")
         if self.limits is not None and hello.limits != self.limits:
             raise InvalidRequest("hello", f"model limits {hello.limits} differ from the cluster's {self.limits}", "FAILED_PRECONDITION")
         fresh = not self.weights_path and not self.workers and not self.steps
         version = hello.policy_version if fresh else self.version  # a fresh scheduler adopts it
-        if hello.policy_version != version and not self.weights_path:
+        if hello.policy_version != version and not self.weights_path and self._barrier is None:
             raise InvalidRequest("hello.policy_version", f"worker has version {hello.policy_version}; the cluster "
                                  f"runs {version} and has no weights path to send", "FAILED_PRECONDITION")
         # every check passed: only now change state
@@ -146,30 +173,58 @@ class SchedulerCore:
         w = WorkerState(hello, hello.policy_version, now, now, state_since=now)
         self.workers[hello.worker_id] = w
         actions: list[Action] = []
-        if w.version != self.version:
+        if self._barrier is not None:  # an update is in progress: the newcomer loads it, the barrier waits for it
+            w.loading = self._barrier.version
+            self._loading.add(hello.worker_id)
+            actions.append(LoadPolicy(w.hello.worker_id, self._barrier.version, self._barrier.weights_path))
+        elif w.version != self.version:
             w.loading = self.version
             actions.append(LoadPolicy(w.hello.worker_id, self.version, self.weights_path))
         self._set_state(w, now)
         return actions + self._fill(w)
 
-    def remove_worker(self, worker_id: str) -> list[Action]:
-        """The worker's stream ended or it timed out: re-queue everything it held."""
+    def remove_worker(self, worker_id: str, reason: str = "the worker left") -> list[Action]:
+        """The worker's stream ended or it timed out: re-queue everything it held. Each request
+        it was running counts a failed attempt (``CoreSettings.max_attempts``); its queued ones
+        never started there and do not."""
         w = self.workers.pop(worker_id, None)
         if w is None:
             return []
         self._loading.discard(worker_id)
         now = self.clock()
         self._close_state(w, now)
-        for key in list(w.running) + list(w.private):
-            step = self.steps.get(_step_of(key))
-            req = step.requests.get(key) if step else None
-            if step and req and not req.done and step.active:
+        actions: list[Action] = []
+        for key in list(w.running):
+            step, req = self._unfinished(key)
+            if step is not None and req is not None and step.active:
+                actions += self._take_back(step, req, worker_id, reason)
+        for key in list(w.private):
+            step, req = self._unfinished(key)
+            if step is not None and req is not None:
                 req.worker = None
                 step.shared.appendleft(key)
                 step.requeued += 1
         for prompt in (*w.drafts.values(), *w.stopping.values()):
             self.planner.done(prompt, complete=False)
-        return self._check_barrier() + self._fill_all()
+        return actions + self._check_barrier() + self._fill_all()
+
+    def _unfinished(self, key: str) -> tuple[StepState | None, RequestState | None]:
+        step = self.steps.get(_step_of(key))
+        req = step.requests.get(key) if step else None
+        if step is None or req is None or req.done or not step.active:
+            return None, None
+        return step, req
+
+    def _take_back(self, step: StepState, req: RequestState, worker_id: str, reason: str) -> list[Action]:
+        """``worker_id`` failed ``req``: count the attempt and re-queue it (preferably for
+        another worker), or fail its step once ``max_attempts`` attempts failed."""
+        req.worker, req.moved_from = None, worker_id
+        req.failures.append((worker_id, reason))
+        if len(req.failures) >= self.settings.max_attempts:
+            return self._fail_step(step, req)
+        step.shared.appendleft(req.spec.key)
+        step.requeued += 1
+        return []
 
     def heartbeat(self, worker_id: str, tokens_per_second: float) -> None:
         w = self.workers.get(worker_id)
@@ -194,8 +249,22 @@ class SchedulerCore:
             if existing.spec.fingerprint != spec.fingerprint:
                 raise InvalidRequest("step_id", f"step {spec.step_id!r} exists with different content", "ALREADY_EXISTS")
             return existing
+        if self._barrier is not None:
+            raise InvalidRequest("policy_version", f"the update to policy version {self._barrier.version} is still loading; "
+                                 "run the step after UpdatePolicy returns", "FAILED_PRECONDITION")
         if spec.policy_version != self.version:
             raise InvalidRequest("policy_version", f"{spec.policy_version} is not the current policy version {self.version}", "FAILED_PRECONDITION")
+        active = sum(1 for s in self.steps.values() if s.active)
+        if active >= self.settings.max_active_steps:
+            raise InvalidRequest("step_id", f"the scheduler already runs {active} steps, its limit (max_active_steps); "
+                                 "wait for one to finish or cancel it", "RESOURCE_EXHAUSTED")
+        self.planner.check_room(spec.lookahead, self.settings.max_announced_prompts, "lookahead",
+                                leaving=[p.token_ids for p in spec.prompts])
+        modes = {w.hello.logprobs_mode for w in self.workers.values()}
+        if modes and spec.sampling.logprobs_mode not in modes:
+            raise InvalidRequest("sampling.logprobs_mode", f"no connected worker returns {spec.sampling.logprobs_mode!r} "
+                                 f"logprobs (they return {', '.join(sorted(modes))}; EngineSettings.logprobs_mode)",
+                                 "FAILED_PRECONDITION")
         return None
 
     def submit_step(self, spec: StepSpec, done: Mapping[str, Completion] | None = None) -> list[Action]:
@@ -216,7 +285,8 @@ class SchedulerCore:
             order.sort(key=lambda k: -self._predicted(reqs[k].spec.prompt_token_ids))
         self.steps[spec.step_id] = step
         self._drafts_wanted = spec.use_drafts
-        live = [w for w in self.workers.values() if w.load_failed is None]
+        live = [w for w in self.workers.values() if w.load_failed is None
+                and spec.policy_version in (w.version, w.loading)]
         if spec.policy is SchedulingPolicy.STATIC and live:
             for i, keys in enumerate(_split(order, len(live))):
                 live[i].private.extend(keys)
@@ -232,6 +302,7 @@ class SchedulerCore:
         return self._fill_all()
 
     def announce(self, prompts: list[tuple[int, ...]], sampling: SamplingParams) -> int:
+        self.planner.check_room(prompts, self.settings.max_announced_prompts, "prompts")
         for ids in prompts:
             self.planner.announce(ids, sampling, "", self._predicted(ids))
         return len(prompts)
@@ -249,15 +320,35 @@ class SchedulerCore:
         if not step.active:
             return []
         step.cancelled = True
+        return self._drop_work(step) + self._finish(step) + self._fill_all()
+
+    def _drop_work(self, step: StepState) -> list[Action]:
+        """Abort the step's running requests on their workers and unqueue the rest."""
         actions: list[Action] = []
         for key, req in step.requests.items():
             if req.worker and not req.done and key in self.workers.get(req.worker, _NOBODY).running:
                 self.workers[req.worker].running.discard(key)
                 actions.append(Abort(req.worker, key))
         for w in self.workers.values():
-            w.private = deque(k for k in w.private if _step_of(k) != step_id)
+            w.private = deque(k for k in w.private if _step_of(k) != step.spec.step_id)
         step.shared.clear()
-        return actions + self._finish(step) + self._fill_all()
+        return actions
+
+    def _fail_step(self, step: StepState, req: RequestState) -> list[Action]:
+        """``req`` failed ``max_attempts`` times: end its step with ``StepFailed`` (no summary,
+        no longer active; a resume gets the same failure) and abort the rest of its work."""
+        spec = req.spec
+        index = next(i for i, p in enumerate(step.spec.prompts) if p.prompt_id == spec.prompt_id)
+        workers = ", ".join(w for w, _ in req.failures)
+        step.failure = StepFailed(
+            step.spec.step_id, f"prompts[{index}]",
+            f"prompt {spec.prompt_id!r} sample {spec.sample_index} failed {len(req.failures)} attempts "
+            f"(workers: {workers:.200}); the step is abandoned. Last error: {req.failures[-1][1]:.200}")
+        actions = self._drop_work(step)
+        now = self.clock()
+        self._flush_time(now)
+        step.finished_at = now
+        return [*actions, step.failure]
 
     # ------------------------------------------------------------- progress --
 
@@ -306,17 +397,16 @@ class SchedulerCore:
         known = self.lengths.get(_length_key(prompt))
         return known if known is not None else self.length_ratio * len(prompt)
 
-    def on_aborted(self, worker_id: str, key: str) -> list[Action]:
-        """The worker could not run the request: give it to someone else."""
+    def on_aborted(self, worker_id: str, key: str, reason: str = "") -> list[Action]:
+        """The worker could not run the request (a failed attempt): give it to someone else,
+        or fail the step after ``max_attempts``."""
         req = self._owned(worker_id, key)
         if req is None:
             return []
         step = self.steps[req.spec.step_id]
         self.workers[worker_id].running.discard(key)
-        req.worker = None
-        step.shared.appendleft(key)
-        step.requeued += 1
-        return self._fill_all()
+        return self._take_back(step, req, worker_id, f"aborted by the worker: {reason or 'no reason given'}") \
+            + self._fill_all()
 
     def on_draft_result(self, worker_id: str, job_id: str, tokens: int, finished: bool = True) -> list[Action]:
         """A draft job ended: ``finished`` when its response ran to the end, else it was
@@ -332,14 +422,24 @@ class SchedulerCore:
     # --------------------------------------------------------------- policy --
 
     def update_policy(self, version: int, weights_path: str) -> list[Action]:
-        if version <= self.version:
-            raise InvalidRequest("version", f"must be greater than the current version {self.version}, got {version}", "FAILED_PRECONDITION")
+        """Start a policy update: every live worker loads ``weights_path`` as ``version``, and
+        ``version`` becomes the cluster's only when all of them did (``PolicyReady``); else the
+        cluster stays where it was (``PolicyFailed``). The same (version, path) again joins the
+        update in progress (no action: its outcome answers both) or, once it succeeded, answers
+        ``PolicyReady`` again; nothing else may change a version that is set or loading."""
         if not weights_path:
             raise InvalidRequest("weights_path", "is empty")
+        repeat = self._repeated_update(version, weights_path)
+        if repeat is not None:
+            return repeat
+        if version <= self.version:
+            raise InvalidRequest("version", f"must be greater than the current version {self.version}, got {version}", "FAILED_PRECONDITION")
         running = [s.spec.step_id for s in self.steps.values() if s.active]
         if running:
             raise InvalidRequest("version", f"step {running[0]!r} is still running", "FAILED_PRECONDITION")
-        self.version, self.weights_path, self._barrier = version, weights_path, version
+        if not self.workers:
+            raise InvalidRequest("workers", f"no live worker to load version {version}", "UNAVAILABLE")
+        self._barrier = PolicyBarrier(version, weights_path)
         self._loading = set(self.workers)
         actions: list[Action] = []
         for w in self.workers.values():
@@ -347,27 +447,61 @@ class SchedulerCore:
             w.loading, w.load_failed = version, None
             actions.append(LoadPolicy(w.hello.worker_id, version, weights_path))
             self._set_state(w, self.clock())
-        return actions + self._check_barrier()
+        return actions
 
-    def on_policy_loaded(self, worker_id: str, version: int, ok: bool) -> list[Action]:
+    def _repeated_update(self, version: int, weights_path: str) -> list[Action] | None:
+        """The answer to an update already in progress or done (a retry), else None."""
+        b = self._barrier
+        if b is not None:
+            if version != b.version:
+                raise InvalidRequest("version", f"the update to version {b.version} is still loading", "FAILED_PRECONDITION")
+            if weights_path != b.weights_path:
+                raise InvalidRequest("weights_path", f"version {version} is loading from another weights_path", "ALREADY_EXISTS")
+            return []
+        if version == self.version and self.weights_path:
+            if weights_path != self.weights_path:
+                raise InvalidRequest("weights_path", f"version {version} is set with another weights_path", "ALREADY_EXISTS")
+            return [PolicyReady(version, sum(1 for w in self.workers.values() if w.version == version))]
+        return None
+
+    def on_policy_loaded(self, worker_id: str, version: int, ok: bool, error: str = "",
+                         weights_unknown: bool = False) -> list[Action]:
+        """A worker answered ``LoadPolicy``. A failed worker gets no work until the barrier
+        ends; ``weights_unknown``: its load failed after its weights changed, so it serves no
+        version (-1) until a later load succeeds."""
         w = self.workers.get(worker_id)
         if w is None or w.loading != version:
             return []
         w.loading = None
+        b = self._barrier
+        counted = b is not None and b.version == version and worker_id in self._loading
         self._loading.discard(worker_id)
+        if counted:
+            b.answer(worker_id, ok, error)  # type: ignore[union-attr]
         if ok:
             w.version = version
         else:
             w.load_failed = version
+            w.version = -1 if weights_unknown else w.version
         self._set_state(w, self.clock())
         return self._check_barrier() + self._fill(w)
 
     def _check_barrier(self) -> list[Action]:
-        if self._barrier is None or self._loading:
+        """Once every live worker answered: ``PolicyReady`` if all of them loaded the version,
+        else ``PolicyFailed`` and the cluster keeps its version and weights path. Workers that
+        did load the failed version keep it and get no work (the core hands a worker only work
+        of the version it holds) until the next update reloads every worker."""
+        b = self._barrier
+        if b is None or self._loading:
             return []
-        version, self._barrier = self._barrier, None
-        loaded = sum(1 for w in self.workers.values() if w.version == version)
-        return [PolicyReady(version, loaded)]
+        self._barrier = None
+        outcome = b.outcome(self.workers, self.version)
+        if isinstance(outcome, PolicyReady):
+            self.version, self.weights_path = b.version, b.weights_path
+        for w in self.workers.values():
+            if w.load_failed == b.version:
+                w.load_failed = None  # the version is gone: old weights that are intact serve again
+        return [outcome, *self._fill_all()]
 
     # ----------------------------------------------------------------- tick --
 
@@ -376,8 +510,9 @@ class SchedulerCore:
         now = self.clock()
         actions: list[Action] = []
         for w in [w for w in self.workers.values() if now - w.last_seen > self.settings.worker_timeout_seconds]:
-            actions.append(Disconnect(w.hello.worker_id, f"silent for {now - w.last_seen:.1f}s"))
-            actions += self.remove_worker(w.hello.worker_id)
+            silent = f"silent for {now - w.last_seen:.1f}s"
+            actions.append(Disconnect(w.hello.worker_id, silent))
+            actions += self.remove_worker(w.hello.worker_id, f"worker {silent} while running it")
         for step in [s for s in self.steps.values() if s.active and s.spec.straggler_watch]:
             actions += self._rebalance(step, now)
         return actions
@@ -405,8 +540,11 @@ class SchedulerCore:
                 req = step.requests.get(key)
                 if req and now - max(req.progress_at, req.started_at) > self.settings.stall_seconds:
                     w.running.discard(key)
-                    req.worker, req.moved_from = None, w.hello.worker_id
                     actions.append(Abort(w.hello.worker_id, key))
+                    req.worker, req.moved_from = None, w.hello.worker_id
+                    req.failures.append((w.hello.worker_id, f"no progress for {self.settings.stall_seconds:g}s"))
+                    if len(req.failures) >= self.settings.max_attempts:  # a stall is a failed attempt
+                        return actions + self._fail_step(step, req) + self._fill_all()
                     moved.append(key)
         step.shared.extendleft(reversed(moved))
         step.moved += len(moved)
@@ -478,17 +616,20 @@ class SchedulerCore:
         req = step.requests[key]
         if req.done or req.worker is not None:
             return False
-        if step.spec.policy_version != w.version:
-            step.shared.append(key)  # someone with the right version will take it
+        if step.spec.policy_version != w.version or req.spec.sampling.logprobs_mode != w.hello.logprobs_mode:
+            step.shared.append(key)  # someone with the right version and logprobs will take it
             return False
-        if req.moved_from == w.hello.worker_id and self._another_can_run(w, step):
-            step.shared.append(key)  # moved off this (slow or stalled) worker: not back to it
+        tried = {wid for wid, _ in req.failures}
+        if (req.moved_from == w.hello.worker_id or w.hello.worker_id in tried) and self._another_can_run(w, step, tried):
+            step.shared.append(key)  # moved off this (slow or stalled) worker, or failed on it: not back to it
             return False
         return True
 
-    def _another_can_run(self, w: WorkerState, step: StepState) -> bool:
-        return any(o is not w and o.load_failed is None and o.version == step.spec.policy_version
-                   for o in self.workers.values())
+    def _another_can_run(self, w: WorkerState, step: StepState, tried: set[str] = frozenset()) -> bool:  # type: ignore[assignment]
+        """Whether a worker other than ``w``, and none of those in ``tried``, can run the step's work."""
+        return any(o is not w and o.hello.worker_id not in tried and o.load_failed is None
+                   and o.version == step.spec.policy_version
+                   and o.hello.logprobs_mode == step.spec.sampling.logprobs_mode for o in self.workers.values())
 
     def _plan_drafts(self, w: WorkerState) -> list[Action]:
         if not (self.settings.drafting and w.hello.speculation and w.version == self.version):
@@ -500,7 +641,9 @@ class SchedulerCore:
             up = self.planner.pick()
             if up is None:
                 break
-            job = DraftJobSpec(f"d{next(self._jobs)}", up.token_ids, up.sampling, self.version, up.for_step)
+            # never a request's seed (nor its random stream); logprobs of a draft are not used
+            sampling = replace(up.sampling, seed=draft_seed(self.rng), logprobs_mode=w.hello.logprobs_mode)
+            job = DraftJobSpec(f"d{next(self._jobs)}", up.token_ids, sampling, self.version, up.for_step)
             w.drafts[job.job_id] = up.token_ids
             actions.append(StartDraft(w.hello.worker_id, job))
         return actions

@@ -21,10 +21,12 @@ __all__ = [
     "InvalidRequest",
     "LoadPolicy",
     "ModelLimits",
+    "PolicyFailed",
     "PolicyReady",
     "PromptSpec",
     "RequestSpec",
     "StartDraft",
+    "StepFailed",
     "StepFinished",
     "StepSpec",
     "StopDraft",
@@ -55,6 +57,8 @@ class WorkerHello:
     policy_version: int
     limits: ModelLimits
     speculation: bool = False
+    logprobs_mode: str = "processed"
+    """The logprobs its engine returns: it runs only requests asking for these."""
 
 
 @dataclass(frozen=True)
@@ -164,12 +168,35 @@ class StepFinished:
 
 
 @dataclass(frozen=True)
+class StepFailed:
+    """A step ended without a result: one of its requests failed ``max_attempts`` times
+    (``CoreSettings.max_attempts``). ``field`` names the prompt ("prompts[3]"); ``message``
+    names its prompt id, the sample, the workers tried and the last worker's reason."""
+
+    step_id: str
+    field: str
+    message: str
+
+
+@dataclass(frozen=True)
 class PolicyReady:
     version: int
     workers: int
 
 
-Action = Assign | Abort | LoadPolicy | StartDraft | StopDraft | Deliver | StepFinished | PolicyReady | Disconnect
+@dataclass(frozen=True)
+class PolicyFailed:
+    """A policy update did not load on every live worker; the cluster stays at its previous
+    version. ``code`` is a gRPC status name, ``field`` the request field the message names."""
+
+    version: int
+    code: str
+    field: str
+    message: str
+
+
+Action = (Assign | Abort | LoadPolicy | StartDraft | StopDraft | Deliver | StepFinished | StepFailed | PolicyReady
+          | PolicyFailed | Disconnect)
 
 
 @dataclass

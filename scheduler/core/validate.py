@@ -12,10 +12,13 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from bubblespec.client.types import Prompt, SamplingParams, SchedulingPolicy
+from bubblespec.client.types import LOGPROBS_MODES, Prompt, SamplingParams, SchedulingPolicy
 from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits, PromptSpec, StepSpec
 
-__all__ = ["Limits", "build_step", "check_id", "check_sampling", "prompt_tokens"]
+__all__ = [
+    "Limits", "build_step", "check_id", "check_request_bytes", "check_sampling", "check_weights_path",
+    "prompt_tokens", "worker_message_bound",
+]
 
 _ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 Tokenize = Callable[[str], tuple[int, ...]]
@@ -23,12 +26,62 @@ Tokenize = Callable[[str], tuple[int, ...]]
 
 @dataclass(frozen=True)
 class Limits:
-    """Request-size limits of the service (scheduler settings)."""
+    """Request-size limits of the service (scheduler settings). Counts and bytes both: every
+    field a trainer sends that reaches a worker is bounded, so the largest message the
+    scheduler sends a worker is bounded too (``worker_message_bound``; docs/RELIABILITY.md)."""
 
     max_prompts: int = 65536
+    """Prompts per step."""
     max_samples: int = 64
+    """Samples per prompt (``sampling.n``)."""
     max_lookahead: int = 65536
+    """Lookahead prompts per step, and prompts per Announce."""
     max_stop_strings: int = 16
+    """Stop strings per request."""
+    max_stop_string_bytes: int = 1024
+    """UTF-8 bytes of one stop string."""
+    max_stop_token_ids: int = 1024
+    """Stop token ids per request."""
+    max_prompt_text_bytes: int = 2**20
+    """UTF-8 bytes of one text prompt (checked before it is tokenized). Token-id prompts are
+    bounded by the model length."""
+    max_weights_path_bytes: int = 4096
+    """UTF-8 bytes of an UpdatePolicy ``weights_path`` (sent to every worker)."""
+    max_request_bytes: int = 32 * 2**20
+    """Serialized bytes of one Generate request. The gRPC message limit
+    (``SchedulerSettings.max_message_bytes``) applies first: keep this one below it."""
+    max_announce_bytes: int = 32 * 2**20
+    """Serialized bytes of one Announce request."""
+
+
+def _utf8_len(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def check_request_bytes(size: int, limit: int, field: str = "request") -> None:
+    """A whole request (``message.ByteSize()``) within its limit."""
+    if size > limit:
+        raise InvalidRequest(field, f"is {size} bytes; at most {limit} bytes are accepted")
+
+
+def check_weights_path(path: str, limits: Limits) -> None:
+    if _utf8_len(path) > limits.max_weights_path_bytes:
+        raise InvalidRequest("weights_path", f"is {_utf8_len(path)} bytes; at most {limits.max_weights_path_bytes}")
+
+
+def worker_message_bound(limits: Limits, max_model_len: int) -> int:
+    """Most bytes one message from the scheduler to a worker can take, for requests that
+    passed ``limits`` on a model of ``max_model_len`` tokens. The largest are ``Assignment``
+    and ``DraftJob``: ids (128 characters each), a prompt (< max_model_len token ids, 5
+    bytes each at most as varints) and the sampling parameters (stop strings and stop token
+    ids bounded here); ``LoadPolicy`` carries a weights path. Each term is over-counted:
+    tags and length prefixes take at most 6 bytes per field or item."""
+    ids = 3 * (128 + 6) + 6 * 11  # request key / job id, step id, prompt id; integer fields
+    prompt = 5 * max_model_len + 6
+    sampling = 6 + 12 * 11 + limits.max_stop_strings * (limits.max_stop_string_bytes + 6) \
+        + 5 * limits.max_stop_token_ids + 6
+    load = limits.max_weights_path_bytes + 6 + 11
+    return 16 + max(ids + prompt + sampling, load)
 
 
 def check_id(value: str, field: str) -> None:
@@ -61,18 +114,32 @@ def check_sampling(sp: SamplingParams, limits: Limits, model: ModelLimits) -> No
         )
     if len(sp.stop) > limits.max_stop_strings or any(not isinstance(s, str) or not s for s in sp.stop):
         raise InvalidRequest("sampling.stop", f"at most {limits.max_stop_strings} non-empty strings")
+    for i, s in enumerate(sp.stop):
+        if _utf8_len(s) > limits.max_stop_string_bytes:
+            raise InvalidRequest(f"sampling.stop[{i}]",
+                                 f"is {_utf8_len(s)} bytes; at most {limits.max_stop_string_bytes} bytes per stop string")
+    if len(sp.stop_token_ids) > limits.max_stop_token_ids:
+        raise InvalidRequest("sampling.stop_token_ids",
+                             f"at most {limits.max_stop_token_ids} ids, got {len(sp.stop_token_ids)}")
     for i, tok in enumerate(sp.stop_token_ids):
         if not _is_int(tok) or not 0 <= tok < model.vocab_size:
             raise InvalidRequest(f"sampling.stop_token_ids[{i}]",
                                  f"{tok!r:.40} is outside the vocabulary [0, {model.vocab_size})")
     if sp.seed is not None and (not _is_int(sp.seed) or not 0 <= sp.seed < 2**62):
         raise InvalidRequest("sampling.seed", f"must be in [0, 2**62), got {sp.seed!r:.40}")
+    if sp.logprobs_mode not in LOGPROBS_MODES:
+        raise InvalidRequest("sampling.logprobs_mode",
+                             f"must be one of {', '.join(LOGPROBS_MODES)}, got {sp.logprobs_mode!r:.40}")
 
 
-def prompt_tokens(p: Prompt, field: str, model: ModelLimits, tokenize: Tokenize | None) -> tuple[int, ...]:
+def prompt_tokens(p: Prompt, field: str, model: ModelLimits, tokenize: Tokenize | None,
+                  limits: Limits | None = None) -> tuple[int, ...]:
     if (p.text is None) == (p.token_ids is None):
         raise InvalidRequest(field, "set exactly one of text and token_ids")
     if p.text is not None:
+        cap = (limits or Limits()).max_prompt_text_bytes
+        if isinstance(p.text, str) and _utf8_len(p.text) > cap:
+            raise InvalidRequest(f"{field}.text", f"is {_utf8_len(p.text)} bytes; at most {cap} bytes per text prompt")
         if tokenize is None:
             raise InvalidRequest(f"{field}.text", "the scheduler has no tokenizer configured; send token_ids")
         ids = tuple(tokenize(p.text))
@@ -92,7 +159,8 @@ def prompt_tokens(p: Prompt, field: str, model: ModelLimits, tokenize: Tokenize 
     return ids
 
 
-def _prompts(prompts: Sequence[Prompt], sp: SamplingParams, model: ModelLimits, tokenize: Tokenize | None):
+def _prompts(prompts: Sequence[Prompt], sp: SamplingParams, model: ModelLimits, tokenize: Tokenize | None,
+             limits: Limits):
     seen: set[str] = set()
     out = []
     for i, p in enumerate(prompts):
@@ -101,7 +169,7 @@ def _prompts(prompts: Sequence[Prompt], sp: SamplingParams, model: ModelLimits, 
         if p.prompt_id in seen:
             raise InvalidRequest(f"{field}.prompt_id", f"duplicate prompt id {p.prompt_id!r}")
         seen.add(p.prompt_id)
-        ids = prompt_tokens(p, field, model, tokenize)
+        ids = prompt_tokens(p, field, model, tokenize, limits)
         if not _is_int(p.max_tokens):
             raise InvalidRequest(f"{field}.max_tokens", f"must be an integer, got {p.max_tokens!r:.40}")
         max_tokens = p.max_tokens or sp.max_tokens
@@ -139,8 +207,8 @@ def build_step(
     if len(lookahead) > limits.max_lookahead:
         raise InvalidRequest("lookahead", f"at most {limits.max_lookahead} prompts, got {len(lookahead)}")
     check_sampling(sampling, limits, model)
-    specs = _prompts(prompts, sampling, model, tokenize)
-    ahead = tuple(prompt_tokens(p, f"lookahead[{i}]", model, tokenize) for i, p in enumerate(lookahead))
+    specs = _prompts(prompts, sampling, model, tokenize, limits)
+    ahead = tuple(prompt_tokens(p, f"lookahead[{i}]", model, tokenize, limits) for i, p in enumerate(lookahead))
     digest = hashlib.sha256(repr((policy_version, specs, sampling, ahead, policy.value, use_drafts)).encode())
     return StepSpec(
         step_id=step_id, policy_version=policy_version, prompts=specs, sampling=sampling,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -42,8 +43,10 @@ from bubblespec.scheduler.core.types import (
     Disconnect,
     LoadPolicy,
     ModelLimits,
+    PolicyFailed,
     PolicyReady,
     StartDraft,
+    StepFailed,
     StepFinished,
     StopDraft,
     WorkerHello,
@@ -234,7 +237,8 @@ class _Simulation:
         self.policy, self.prompts, self.drafting, self.seed = policy, prompts, drafting, seed
         self.workload, self.acceptance, self.settings = workload, acceptance, settings
         self.now = 0.0
-        self.core = SchedulerCore(replace(settings.core, drafting=drafting), clock=lambda: self.now)
+        self.core = SchedulerCore(replace(settings.core, drafting=drafting), clock=lambda: self.now,
+                                  rng=random.Random(seed))  # draft seeds: deterministic per run
         self.limits = ModelLimits(max_model_len=workload.lengths.max_tokens + 1024, vocab_size=32000)
         self.engines: dict[str, SimulatedEngine] = {}
         self.heap: list[tuple[float, int, int, str, int]] = []  # (time, seq, kind, worker, version)
@@ -427,6 +431,12 @@ class _Simulation:
                 self.loads_pending += 1
                 heapq.heappush(self.heap, (self.now + self.settings.load_seconds, next(self.seq), _LOADED,
                                            a.worker_id, a.version))  # type: ignore[union-attr]
+            elif kind is StepFailed:  # a request failed on max_attempts workers (they all died, say)
+                left = self.log.requests - len(self.log.delivered) if self.log is not None else 0
+                raise SimStalled(f"t={self.now:.1f}s: step {a.step_id} failed ({a.field}: {a.message}); "  # type: ignore[union-attr]
+                                 f"{left} requests undelivered")
+            elif kind is PolicyFailed:  # simulated loads never fail: a bug, not a scenario
+                raise RuntimeError(f"policy update failed: {a.message}")  # type: ignore[union-attr]
             elif kind is not PolicyReady:
                 raise TypeError(f"unexpected action {a!r}")
 

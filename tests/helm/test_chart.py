@@ -341,6 +341,38 @@ def test_bundled_redis(render) -> None:
     assert "$(REDIS_PASSWORD)" not in " ".join(redis_container["args"])
 
 
+def test_bundled_journal_redis_never_evicts_and_only_the_scheduler_uses_it(render) -> None:
+    rendered = render({})
+    redis = rendered.one("StatefulSet", "-redis")
+    drafts, journal = container(redis, "redis"), container(redis, "journal")
+    assert "maxmemory-policy allkeys-lru" in drafts["args"][0]
+    assert "maxmemory-policy noeviction" in journal["args"][0] and "port 6380" in journal["args"][0]
+    assert "maxmemory 256mb" in journal["args"][0]
+    assert journal["ports"] == [{"name": "journal", "containerPort": 6380, "protocol": "TCP"}]
+    svc = rendered.one("Service", "-redis")
+    assert {(p["name"], p["port"]) for p in svc["spec"]["ports"]} == {("redis", 6379), ("journal", 6380)}
+    env = env_of(container(scheduler(rendered), "scheduler"))
+    assert env["BUBBLESPEC_JOURNAL_REDIS_URL"]["value"] == f"redis://{FULLNAME}-redis.{NAMESPACE}.svc:6380/0"
+    assert env["BUBBLESPEC_JOURNAL_SECRET"]["valueFrom"]["secretKeyRef"] == {
+        "name": f"{FULLNAME}-auth", "key": "journal-secret"}
+    worker_env = env_of(container(worker(rendered), "worker"))
+    assert "BUBBLESPEC_JOURNAL_SECRET" not in worker_env and "BUBBLESPEC_JOURNAL_REDIS_URL" not in worker_env
+    custom = render({"redis": {"journal": {"port": 6390, "maxmemory": "1gb"}}, "auth": {"journalSecret": "j" * 20}})
+    assert "maxmemory 1gb" in container(custom.one("StatefulSet", "-redis"), "journal")["args"][0]
+    assert env_of(container(scheduler(custom), "scheduler"))["BUBBLESPEC_JOURNAL_REDIS_URL"]["value"].endswith(":6390/0")
+    assert base64.b64decode(custom.one("Secret", "-auth")["data"]["journal-secret"]).decode() == "j" * 20
+
+
+def test_external_journal_url(render) -> None:
+    base = VALUE_SETS["external-redis-tls"]
+    env = env_of(container(scheduler(render(base)), "scheduler"))
+    assert "BUBBLESPEC_JOURNAL_REDIS_URL" not in env, "no journalUrl: the scheduler falls back to the store's URL"
+    own = {**base, "redis": {**base["redis"], "external": {**base["redis"]["external"],
+                                                           "journalUrl": "rediss://journal.data.svc:6380/0"}}}
+    env = env_of(container(scheduler(render(own)), "scheduler"))
+    assert env["BUBBLESPEC_JOURNAL_REDIS_URL"]["value"] == "rediss://journal.data.svc:6380/0"
+
+
 def test_external_redis_with_tls(render) -> None:
     rendered = render(VALUE_SETS["external-redis-tls"])
     assert not [m for m in rendered.manifests if m.name.endswith("-redis")], "no bundled Redis objects"
@@ -367,6 +399,8 @@ def test_external_redis_with_tls(render) -> None:
         ({"redis": {"enabled": False, "external": {"url": "rediss://r:6380/0"}}}, "tls.enabled"),
         ({"model": {"pvc": {"claimName": ""}}}, "model.pvc.claimName"),
         ({"weights": {"enabled": True}}, "weights.pvc.claimName"),
+        ({"redis": {"enabled": False, "external": {"url": "redis://r:6379/0", "journalUrl": "rediss://j:6380/0"}}},
+         "redis.external.journalUrl"),
     ],
 )
 def test_inconsistent_values_fail_with_a_clear_message(chart, values: dict[str, Any], message: str) -> None:
@@ -377,9 +411,9 @@ def test_inconsistent_values_fail_with_a_clear_message(chart, values: dict[str, 
 def test_generated_tokens(render) -> None:
     secret = render({}).one("Secret", "-auth")
     tokens = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
-    assert set(tokens) == {"trainer-token", "worker-token"}
+    assert set(tokens) == {"trainer-token", "worker-token", "journal-secret"}
     assert all(len(t) == 48 and t.isalnum() for t in tokens.values())
-    assert tokens["trainer-token"] != tokens["worker-token"]
+    assert len(set(tokens.values())) == 3
 
 
 def test_given_tokens_are_kept(render) -> None:
@@ -393,6 +427,9 @@ def test_existing_secrets(render) -> None:
     assert rendered.of_kind("Secret") == [], "no chart-made Secret when existing ones are named"
     sched_env = env_of(container(scheduler(rendered), "scheduler"))
     assert sched_env["BUBBLESPEC_TRAINER_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "bubblespec-tokens"
+    # An existing token Secret may predate the journal key: without it the scheduler keeps no journal.
+    assert sched_env["BUBBLESPEC_JOURNAL_SECRET"]["valueFrom"]["secretKeyRef"] == {
+        "name": "bubblespec-tokens", "key": "journal-secret", "optional": True}
     assert sched_env["BUBBLESPEC_WORKER_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "bubblespec-tokens"
     assert sched_env["BUBBLESPEC_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "bubblespec-redis-password"
     worker_env = env_of(container(worker(rendered), "worker"))
@@ -455,6 +492,11 @@ def test_only_scheduler_and_workers_reach_redis(render) -> None:
     ]
 
 
+def test_only_the_scheduler_reaches_the_journal(render) -> None:
+    policy = render({}).one("NetworkPolicy", "-redis")
+    assert _peers_for_port(policy, "journal") == [{"podSelector": {"matchLabels": selector_labels("scheduler")}}]
+
+
 def test_workers_accept_only_prometheus(render) -> None:
     policy = render({}).one("NetworkPolicy", "-worker")
     assert [r["ports"] for r in policy["spec"]["ingress"]] == [[{"port": "metrics", "protocol": "TCP"}]]
@@ -503,6 +545,8 @@ BAD_VALUES = [
     {"scheduler": {"ports": {"grpc": 70000}}},
     {"podSecurity": {"runAsUser": 0}},
     {"redis": {"maxmemoryPolicy": "keep-everything"}},
+    {"redis": {"journal": {"maxmemory": "a lot"}}},
+    {"auth": {"journalSecret": "too-short"}},
     {"redis": {"external": {"url": "http://redis:6379"}}},
     {"networkPolicy": {"trainerLabel": {"key": ""}}},
     {"networkPolicy": {"trainerLabel": {"value": True}}},

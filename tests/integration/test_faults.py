@@ -22,7 +22,7 @@ from typing import Self
 
 import pytest
 
-from bubblespec.client import AsyncRolloutClient, ClientSettings, Prompt, Retry, SamplingParams, SchedulingPolicy
+from bubblespec.client import AsyncRolloutClient, Prompt, SamplingParams, SchedulingPolicy
 from bubblespec.scheduler.core.types import Assign, LoadPolicy
 from bubblespec.scheduler.server import Scheduler
 from bubblespec.scheduler.settings import SchedulerSettings
@@ -232,13 +232,13 @@ def _free_port() -> int:
 
 async def test_scheduler_restart_sdk_resumes_with_each_completion_once(cluster, client, redis_server):
     port = _free_port()
-    settings = SchedulerSettings(host="127.0.0.1", grpc_port=port, http_port=-1, redis_url=redis_server.url)
+    settings = SchedulerSettings(host="127.0.0.1", grpc_port=port, http_port=-1, redis_url=redis_server.url,
+                                 journal_secret="restart-test-journal-secret")
     first = Scheduler(settings)
     await first.start()
     version = cluster.scheduler.core.version  # what the shared engines have loaded
     agents = [WorkerAgent(WorkerSettings(scheduler=f"127.0.0.1:{port}", worker_id=f"restart-{i}",
-                                         reconnect_max_seconds=0.5, policy_version=version,
-                                         engine=cluster.engine_settings), engine)
+                                         policy_version=version, engine=cluster.engine_settings), engine)
               for i, engine in enumerate(cluster.engines)]
     runs = [asyncio.create_task(a.run()) for a in agents]
     ids = [Prompt(f"p{i}", token_ids=t, max_tokens=20 + 18 * i) for i, t in enumerate(token_prompts(16, seed=541))]
@@ -247,8 +247,7 @@ async def test_scheduler_restart_sdk_resumes_with_each_completion_once(cluster, 
     try:
         await until(lambda: len(first.core.workers) == 2)
         assert first.core.version == version, "a fresh scheduler adopts the version its workers run"
-        sdk = AsyncRolloutClient(settings=ClientSettings(target=f"127.0.0.1:{port}",
-                                                         retry=Retry(attempts=60, initial_seconds=0.2, max_seconds=1)))
+        sdk = AsyncRolloutClient(f"127.0.0.1:{port}")  # default ClientSettings: 120 s retry budget
         gen = asyncio.create_task(sdk.generate("restarted", ids, LONG, n=2, policy_version=first.core.version))
         await until(lambda: "restarted" in first.core.steps and len(first.core.steps["restarted"].completions) >= 6)
         await first.stop(grace=0)  # the scheduler goes away mid-step

@@ -42,7 +42,21 @@ Rows (id: what is sent -> expected answer):
     n-negative                  -3 -> INVALID_ARGUMENT sampling.n
     seed-int64-max              2**63-1 -> INVALID_ARGUMENT sampling.seed
     seed-negative               -1 -> INVALID_ARGUMENT sampling.seed
+    logprobs-mode-unknown       "logits" -> INVALID_ARGUMENT sampling.logprobs_mode
+    logprobs-mode-not-served    "raw", every worker returns processed -> FAILED_PRECONDITION
+                                sampling.logprobs_mode
     stop-empty-string           stop=("",) -> INVALID_ARGUMENT sampling.stop
+    stop-string-5mib            a 5 MiB stop string (once broke every worker's stream: its
+                                assignment exceeded gRPC's 4 MiB receive limit) -> INVALID_ARGUMENT
+                                sampling.stop[0]
+    stop-string-multibyte       300 emoji = 1,200 UTF-8 bytes (limit 1,024) -> INVALID_ARGUMENT
+                                sampling.stop[1]
+    stop-token-ids-2000         2,000 stop token ids -> INVALID_ARGUMENT sampling.stop_token_ids
+    prompt-text-over-1mib       a 1 MiB + 1 byte text prompt -> INVALID_ARGUMENT prompts[0].text
+    request-over-8mib           five 1.9 MiB text prompts, a 9.5 MB request (limit 8 MiB) -> INVALID_ARGUMENT
+                                request
+    announce-over-8mib          Announce of five 1.9 MiB text prompts -> INVALID_ARGUMENT request
+    update-policy-path-6kb      weights_path of 6,000 bytes -> INVALID_ARGUMENT weights_path
     stop-token-outside-vocab    stop_token_ids=(10**6,) -> INVALID_ARGUMENT sampling.stop_token_ids[0]
     token-id-int32-max          2**31-1 -> INVALID_ARGUMENT prompts[0].token_ids[0]
     token-id-negative           -1 -> INVALID_ARGUMENT prompts[0].token_ids[1]
@@ -55,10 +69,10 @@ Rows (id: what is sent -> expected answer):
     policy-enum-unknown         policy=99 -> INVALID_ARGUMENT policy
     policy-version-int64-max    2**63-1 -> FAILED_PRECONDITION policy_version
     lookahead-bad-token         lookahead[0] = (5, -1) -> INVALID_ARGUMENT lookahead[0].token_ids[1]
-    sdk-token-id-not-an-int     Prompt(token_ids=("5",)) -> TypeError in the SDK, nothing sent
+    sdk-token-id-not-an-int     Prompt(token_ids=("5",)) -> InvalidArgument prompts[0].token_ids[0] in the SDK, nothing sent
     announce-nan-temperature    Announce with NaN -> INVALID_ARGUMENT sampling.temperature
     announce-bad-token          Announce (5, 128), vocab 128 -> INVALID_ARGUMENT prompts[0].token_ids[1]
-    update-policy-stale         version -1 -> FAILED_PRECONDITION version
+    update-policy-stale         version -1 over a plain stub (the SDK refuses it) -> FAILED_PRECONDITION version
     update-policy-no-path       version 1, weights_path "" -> INVALID_ARGUMENT weights_path
     cancel-unknown-path-id      Cancel("../x") -> NOT_FOUND step_id
 
@@ -72,6 +86,7 @@ Rows (id: what is sent -> expected answer):
     hello-10kb-emoji-id         worker_id "🔥" * 2500 -> INVALID_ARGUMENT hello.worker_id
     hello-capacity-zero         capacity 0 -> INVALID_ARGUMENT hello.capacity
     hello-capacity-negative     capacity -4 -> INVALID_ARGUMENT hello.capacity
+    hello-unknown-logprobs-mode logprobs_mode "logits" -> INVALID_ARGUMENT hello.logprobs_mode
     hello-other-model-len       max_model_len 1024 (cluster: 512) -> FAILED_PRECONDITION hello
     hello-other-vocab           vocab_size 50000 (cluster: 128) -> FAILED_PRECONDITION hello
     hello-unknown-version       policy_version 5, no weights to send -> FAILED_PRECONDITION
@@ -131,7 +146,9 @@ from bubblespec.scheduler.settings import SchedulerSettings
 from tests.support.fake_worker import FakeWorker, fake_tokens, wait_until
 
 VOCAB, MODEL_LEN = 128, 512
-LIMITS = Limits(max_prompts=8, max_samples=4, max_lookahead=8, max_stop_strings=4)
+LIMITS = Limits(max_prompts=8, max_samples=4, max_lookahead=8, max_stop_strings=4,
+                max_request_bytes=8 * 2**20, max_announce_bytes=8 * 2**20)
+HUGE_TEXTS = [Prompt(f"p{i}", text="z" * (19 * 2**20 // 10)) for i in range(5)]
 OK_SAMPLING = SamplingParams(temperature=0.0, max_tokens=4)
 OK_PROMPT = (5, 6, 7)
 BIG = "x" * 10_000
@@ -257,6 +274,14 @@ def raw(request_or_mutator) -> Act:
     return act
 
 
+def raw_update_policy(version: int, weights_path: str) -> Act:
+    """UpdatePolicy over a plain stub (the SDK refuses a negative version before sending it)."""
+    async def act(env: Env):
+        return await env.stub.UpdatePolicy(pb.UpdatePolicyRequest(version=version, weights_path=weights_path),
+                                           timeout=10)
+    return act
+
+
 def raw_bytes(method: str, data: bytes, streaming: bool = False) -> Act:
     """Bytes sent as they are (identity serializers) to a Rollout method."""
     async def act(env: Env):
@@ -310,7 +335,17 @@ TRAINER_ROWS = [
     Row("n-negative", "sdk", sampling(n=-3), INVALID, "sampling.n"),
     Row("seed-int64-max", "sdk", sampling(seed=2**63 - 1), INVALID, "sampling.seed"),
     Row("seed-negative", "sdk", sampling(seed=-1), INVALID, "sampling.seed"),
+    Row("logprobs-mode-unknown", "sdk", sampling(logprobs_mode="logits"), INVALID, "sampling.logprobs_mode"),
+    Row("logprobs-mode-not-served", "sdk", sampling(logprobs_mode="raw"), PRECONDITION, "sampling.logprobs_mode"),
     Row("stop-empty-string", "sdk", sampling(stop=("",)), INVALID, "sampling.stop"),
+    Row("stop-string-5mib", "sdk", sampling(stop=("x" * (5 * 2**20),)), INVALID, "sampling.stop[0]"),
+    Row("stop-string-multibyte", "sdk", sampling(stop=("ok", "\N{FIRE}" * 300)), INVALID, "sampling.stop[1]"),
+    Row("stop-token-ids-2000", "sdk", sampling(stop_token_ids=(5,) * 2000), INVALID, "sampling.stop_token_ids"),
+    Row("prompt-text-over-1mib", "sdk", prompts("y" * (2**20 + 1)), INVALID, "prompts[0].text"),
+    Row("request-over-8mib", "sdk", generate(prompts=HUGE_TEXTS), INVALID, "request"),
+    Row("announce-over-8mib", "sdk", sdk(lambda c, e: c.announce(HUGE_TEXTS, OK_SAMPLING)), INVALID, "request"),
+    Row("update-policy-path-6kb", "sdk", sdk(lambda c, e: c.update_policy(e.core.version + 1, "/w" * 3000)),
+        INVALID, "weights_path"),
     Row("stop-token-outside-vocab", "sdk", sampling(stop_token_ids=(10**6,)), INVALID, "sampling.stop_token_ids[0]"),
     Row("token-id-int32-max", "sdk", prompts((2**31 - 1, 5)), INVALID, "prompts[0].token_ids[0]"),
     Row("token-id-negative", "sdk", prompts((5, -1)), INVALID, "prompts[0].token_ids[1]"),
@@ -326,13 +361,13 @@ TRAINER_ROWS = [
     Row("policy-enum-unknown", "raw", raw(lambda r: setattr(r, "policy", 99)), INVALID, "policy"),
     Row("policy-version-int64-max", "sdk", generate(policy_version=2**63 - 1), PRECONDITION, "policy_version"),
     Row("lookahead-bad-token", "sdk", generate(lookahead=[(5, -1)]), INVALID, "lookahead[0].token_ids[1]"),
-    Row("sdk-token-id-not-an-int", "sdk", prompts(Prompt("p0", token_ids=("5", 6))), TypeError),
+    Row("sdk-token-id-not-an-int", "sdk", prompts(Prompt("p0", token_ids=("5", 6))), INVALID, "prompts[0].token_ids[0]"),
     Row("announce-nan-temperature", "sdk",
         sdk(lambda c, e: c.announce([OK_PROMPT], replace(OK_SAMPLING, temperature=math.nan))),
         INVALID, "sampling.temperature"),
     Row("announce-bad-token", "sdk", sdk(lambda c, e: c.announce([(5, VOCAB)], OK_SAMPLING)),
         INVALID, "prompts[0].token_ids[1]"),
-    Row("update-policy-stale", "sdk", sdk(lambda c, e: c.update_policy(-1, "/weights")), PRECONDITION, "version"),
+    Row("update-policy-stale", "raw", raw_update_policy(-1, "/weights"), PRECONDITION, "version"),
     Row("update-policy-no-path", "sdk", sdk(lambda c, e: c.update_policy(e.core.version + 1, "")),
         INVALID, "weights_path"),
     Row("cancel-unknown-path-id", "sdk", sdk(lambda c, e: c.cancel("../x")), grpc.StatusCode.NOT_FOUND, "step_id"),
@@ -380,6 +415,8 @@ HELLO_ROWS = [
     Row("hello-10kb-emoji-id", "hello", opening(hello(worker_id="\N{FIRE}" * 2500)), INVALID, "hello.worker_id"),
     Row("hello-capacity-zero", "hello", opening(hello(capacity=0)), INVALID, "hello.capacity"),
     Row("hello-capacity-negative", "hello", opening(hello(capacity=-4)), INVALID, "hello.capacity"),
+    Row("hello-unknown-logprobs-mode", "hello", opening(hello(logprobs_mode="logits")), INVALID,
+        "hello.logprobs_mode"),
     Row("hello-other-model-len", "hello", opening(hello(max_model_len=1024)), PRECONDITION, "hello"),
     Row("hello-other-vocab", "hello", opening(hello(vocab_size=50_000)), PRECONDITION, "hello"),
     Row("hello-unknown-version", "hello", opening(hello(policy_version=5)), PRECONDITION, "hello.policy_version"),
@@ -451,9 +488,11 @@ async def requeued_and_rerun(env: Env, held: Held, before: dict, after: dict) ->
     step = env.core.steps[held.step]
     assert after["completions"] == before["completions"] and after["delivered"] == before["delivered"]
     assert step.requeued == before["steps"][held.step][2] + 1
-    assigns = [m for w in (env.a, env.b) for m in w.received
-               if m.WhichOneof("kind") == "assign" and m.assign.request_key == held.ka]
-    assert len(assigns) == 2, "the request was assigned again"
+    again = [w.worker_id for w in (env.a, env.b, env.fresh) for m in w.received
+             if m.WhichOneof("kind") == "assign" and m.assign.request_key == held.ka]
+    assert len(again) == 2, "the request was assigned again"
+    assert step.requests[held.ka].failures[-1][0] == "fw-a", "a failed attempt of fw-a"
+    assert again.count("fw-a") == 1, "a failed request goes to another worker while one can run it"
 
 
 
@@ -643,7 +682,7 @@ async def _check_junk(row: Row, env: Env, held: Held, caplog) -> None:
 
 async def _release(env: Env, held: Held):
     """The rightful workers answer what they hold of the step; the trainer's call returns."""
-    for w in (env.a, env.b):
+    for w in (env.a, env.b, env.fresh):  # fresh: a request that failed on A may have gone there
         for key in [k for k in w.assignments if k.startswith(held.step + "/")]:
             w.complete(key)
     return await asyncio.wait_for(held.task, 10)

@@ -21,11 +21,14 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
+import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import grpc
+import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -43,6 +46,7 @@ from bubblespec.scheduler.settings import SchedulerSettings
 from bubblespec.store import StoreSettings
 from bubblespec.worker.agent import WorkerAgent, WorkerSettings
 from bubblespec.worker.engine import EngineInfo, EngineOutput, EngineRequest, EngineSettings
+from tests.integration.test_metrics_ui import CHROMIUM, chromium
 from tests.support.fake_worker import FakeWorker, fake_tokens, wait_until
 from tests.support.redis_server import RedisServer, redis_server_available
 from tests.support.tls import TlsFiles, make_tls_files
@@ -50,6 +54,7 @@ from tests.support.tls import TlsFiles, make_tls_files
 TRAINER_TOKEN = "trainer-7f3a9c1e5b2d4f6a8c0e"
 WORKER_TOKEN = "worker-1b2c3d4e5f6a7b8c9d0e"
 REDIS_PASSWORD = "redis-pw-9e8d7c6b5a4f3e2d"
+JOURNAL_SECRET = "journal-hmac-3a4b5c6d7e8f9a0b"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 FAST_FAIL = dict(retry=Retry(attempts=1), timeout_seconds=2.0, step_timeout_seconds=2.0)
 
@@ -89,10 +94,21 @@ def state(scheduler: Scheduler) -> tuple:
             tuple(sorted(core.workers)), len(core.planner.upcoming))
 
 
-async def http_get(port: int, path: str) -> bytes:
-    def get() -> bytes:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
-            return resp.read()
+async def http_get(port: int, path: str, token: str = "") -> bytes:
+    status, body = await http_call(port, path, {"Authorization": f"Bearer {token}"} if token else {})
+    assert status == 200, (path, status, body)
+    return body
+
+
+async def http_call(port: int, path: str, headers: dict | None = None, host: str = "127.0.0.1") -> tuple[int, bytes]:
+    """(HTTP status, body), error statuses included."""
+    def get() -> tuple[int, bytes]:
+        request = urllib.request.Request(f"http://{host}:{port}{path}", headers=headers or {})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read()
 
     return await asyncio.to_thread(get)
 
@@ -200,6 +216,97 @@ async def test_health_reflection_and_http_probes_stay_open(authed):
         names = {s.name for s in replies[0].list_services_response.service}
         assert {"bubblespec.v1.Rollout", "bubblespec.v1.WorkerLink"} <= names
     assert json.loads(await http_get(authed.http_port, "/healthz")) == {"ok": True}
+
+
+# ------------------------------------------------ HTTP status, bind address --
+
+
+def bearer(token: str) -> dict:
+    return {"Authorization": f"Bearer {token}"}
+
+
+async def test_status_and_ui_take_the_trainer_token_while_probes_and_metrics_stay_open(authed):
+    port = authed.http_port
+    for path in ("/status", "/ui"):
+        for headers in ({}, {"Authorization": TRAINER_TOKEN}, {"Authorization": f"bearer {TRAINER_TOKEN}"}):
+            status, body = await http_call(port, path, headers)
+            assert status == 401 and b"authorization: missing bearer token" in body, (path, headers)
+        for headers in (bearer(WORKER_TOKEN), bearer(TRAINER_TOKEN + "x"), bearer(TRAINER_TOKEN[:-1]), bearer("")):
+            status, body = await http_call(port, path, headers)
+            assert status == 403 and b"authorization: token not valid" in body, (path, headers)
+            assert TRAINER_TOKEN.encode() not in body and WORKER_TOKEN.encode() not in body
+        assert (await http_call(port, f"{path}?token={WORKER_TOKEN}"))[0] == 403
+    status, body = await http_call(port, "/status", bearer(TRAINER_TOKEN))
+    assert status == 200 and "fw-auth" in {w["worker_id"] for w in json.loads(body)["workers"]}
+    assert json.loads(await http_get(port, f"/status?token={TRAINER_TOKEN}"))["workers"]
+    status, page = await http_call(port, f"/ui?token={TRAINER_TOKEN}")  # how a browser opens it
+    assert status == 200 and b"<title>BubbleSpec scheduler</title>" in page
+    for path in ("/healthz", "/readyz", "/metrics"):  # probes and Prometheus carry no token
+        assert (await http_call(port, path))[0] == 200, path
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed")
+async def test_ui_opened_with_the_token_in_its_address_shows_the_cluster(authed):
+    """A browser opens /ui?token=...: the page moves the token out of the address and sends it
+    to /status as a bearer header (status 200: the live table fills)."""
+    dom = (await chromium("--dump-dom", f"http://127.0.0.1:{authed.http_port}/ui?token={TRAINER_TOKEN}")).decode()
+    assert 'data-worker="fw-auth"' in dom and 'id="conn" class="ok"' in dom, dom[-2000:]
+
+
+def listening(port: int) -> set[str]:
+    """Addresses this process listens on at ``port`` (IPv4-mapped and dual-stack sockets as IPv4)."""
+    ips = {c.laddr.ip for c in psutil.Process().net_connections("inet")
+           if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+    return {"0.0.0.0" if ip == "::" else ip.removeprefix("::ffff:") for ip in ips}
+
+
+def outside_address() -> str | None:
+    """An IPv4 address of this machine that is not loopback (how another machine reaches it)."""
+    for addresses in psutil.net_if_addrs().values():
+        for a in addresses:
+            if a.family == socket.AF_INET and not a.address.startswith("127."):
+                return a.address
+    return None
+
+
+async def reachable(host: str, port: int) -> bool:
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 5)
+    except OSError:
+        return False
+    writer.close()
+    return True
+
+
+@pytest.mark.parametrize("tokens,expected", [
+    ({}, "127.0.0.1"),
+    (dict(trainer_token=TRAINER_TOKEN), "127.0.0.1"),
+    (dict(worker_token=WORKER_TOKEN), "127.0.0.1"),
+    (dict(trainer_token=TRAINER_TOKEN, worker_token=WORKER_TOKEN), "0.0.0.0"),
+], ids=["no-token", "trainer-token-only", "worker-token-only", "both-tokens"])
+async def test_default_bind_is_loopback_unless_both_tokens_are_set(tokens, expected, caplog):
+    outside = outside_address()
+    async with running(settings(host="", http_port=0, **tokens)) as scheduler:
+        assert scheduler.host == expected
+        for port in (scheduler.grpc_port, scheduler.http_port):
+            assert listening(port) == {expected}
+            assert await reachable("127.0.0.1", port)
+            if outside is not None:
+                assert await reachable(outside, port) == (expected == "0.0.0.0"), (outside, port)
+    assert "INSECURE" not in caplog.text
+
+
+@pytest.mark.parametrize("tokens,open_api", [({}, "trainer and worker API"),
+                                             (dict(trainer_token=TRAINER_TOKEN), "worker API")])
+async def test_explicit_non_loopback_bind_without_both_tokens_warns_loudly(tokens, open_api, caplog):
+    caplog.set_level(logging.INFO, logger="bubblespec.scheduler.server")
+    async with running(settings(host="0.0.0.0", http_port=0, **tokens)) as scheduler:
+        assert listening(scheduler.grpc_port) == listening(scheduler.http_port) == {"0.0.0.0"}
+    warnings = [r.getMessage() for r in caplog.records
+                if r.levelno == logging.WARNING and r.getMessage().startswith("INSECURE")]
+    assert len(warnings) == 1, caplog.text
+    assert f"binding 0.0.0.0 (not loopback) with no token on the {open_api}" in warnings[0]
+    assert TRAINER_TOKEN not in caplog.text
 
 
 class ScriptedEngine:
@@ -407,10 +514,35 @@ async def test_requests_right_at_the_limits_pass(limited):
     assert len(result.completions) == 8 and result.summary.completions == 8
 
 
+async def test_active_step_and_announced_prompt_caps_are_refused_over_grpc():
+    """``CoreSettings.max_active_steps`` / ``max_announced_prompts`` through the SDK: the
+    status and field reach the trainer, and nothing changes."""
+    core = CoreSettings(drafting=False, max_active_steps=1, max_announced_prompts=2)
+    async with running(settings(core=core), {"worker_id": "fw-cap", "auto": False}) as scheduler:
+        slow = AsyncRolloutClient(target(scheduler), retry=Retry(attempts=1), timeout_seconds=30.0,
+                                  step_timeout_seconds=120.0)
+        held = asyncio.create_task(slow.generate("cap-held", [(5, 6)], GREEDY))  # the worker holds it
+        try:
+            await wait_until(lambda: "cap-held" in scheduler.core.steps, what="the held step to start")
+            before = state(scheduler)
+            async with AsyncRolloutClient(target(scheduler), **FAST_FAIL) as client:
+                with pytest.raises(ResourceExhausted) as err:
+                    await client.generate("cap-second", [(5, 7)], GREEDY)
+                assert err.value.field == "step_id" and "max_active_steps" in err.value.message
+                with pytest.raises(ResourceExhausted) as err:
+                    await client.announce([(9, 1), (9, 2), (9, 3)], GREEDY)
+                assert err.value.field == "prompts" and "over the limit of 2" in err.value.message
+            assert state(scheduler) == before
+        finally:
+            held.cancel()
+            await asyncio.gather(held, return_exceptions=True)
+            await slow.close()
+
+
 # ------------------------------------------------------------------- secrets --
 
 
-SECRETS = (TRAINER_TOKEN, WORKER_TOKEN, REDIS_PASSWORD)
+SECRETS = (TRAINER_TOKEN, WORKER_TOKEN, REDIS_PASSWORD, JOURNAL_SECRET)
 
 
 def assert_no_secret(text: str, where: str) -> None:
@@ -429,7 +561,7 @@ def redis_with_password():
 async def test_no_secret_in_logs_status_or_metrics(redis_with_password, caplog):
     caplog.set_level(logging.DEBUG)  # every logger, every level
     s = settings(trainer_token=TRAINER_TOKEN, worker_token=WORKER_TOKEN, http_port=0,
-                 redis_url=redis_with_password.url, redis_password=REDIS_PASSWORD)
+                 redis_url=redis_with_password.url, redis_password=REDIS_PASSWORD, journal_secret=JOURNAL_SECRET)
     async with running(s, dict(worker_id="fw-secret", token=WORKER_TOKEN)) as scheduler:
         async with AsyncRolloutClient(target(scheduler), token=TRAINER_TOKEN, **FAST_FAIL) as client:
             await run_step(client, "secret-step", "fw-secret")
@@ -442,7 +574,7 @@ async def test_no_secret_in_logs_status_or_metrics(redis_with_password, caplog):
             await intruder.closed()
         await scheduler.service.journal.flush()  # the journal wrote to the password-protected Redis
         assert_no_secret(json.dumps(rpc_status), "the Status RPC")
-        assert_no_secret((await http_get(scheduler.http_port, "/status")).decode(), "/status")
+        assert_no_secret((await http_get(scheduler.http_port, "/status", TRAINER_TOKEN)).decode(), "/status")
         assert_no_secret((await http_get(scheduler.http_port, "/metrics")).decode(), "/metrics")
     records = caplog.records
     assert records, "DEBUG logging captured nothing"
@@ -453,7 +585,8 @@ async def test_no_secret_in_logs_status_or_metrics(redis_with_password, caplog):
 def test_settings_reprs_hide_secrets():
     objects = [
         SchedulerSettings(trainer_token=TRAINER_TOKEN, worker_token=WORKER_TOKEN, redis_url="redis://r:6379/0",
-                          redis_password=REDIS_PASSWORD),
+                          redis_password=REDIS_PASSWORD, journal_secret=JOURNAL_SECRET,
+                          journal_redis_url=f"redis://:{REDIS_PASSWORD}@j:6379/0"),
         ClientSettings(token=TRAINER_TOKEN),
         WorkerSettings(token=WORKER_TOKEN),
         StoreSettings(url="redis://r:6379/0", password=REDIS_PASSWORD),

@@ -27,6 +27,7 @@ from bubblespec.store import (
     open_store,
     prompt_key,
 )
+from bubblespec.store.codec import encode_entry
 from bubblespec.store.redis_store import draft_key, length_key
 from redis.crc import key_slot
 
@@ -215,6 +216,15 @@ async def test_stats_ping_and_close(backend: Backend) -> None:
     assert store.stats.errors >= 1
 
 
+async def test_oversized_drafts_are_dropped_on_write_and_counted(backend: Backend) -> None:
+    store = backend.make(max_entry_bytes=1024)
+    big = DraftEntry(tuple(range(300)), 1, "step-big", DraftSource.FUTURE, 1.0)  # 1,242 bytes encoded
+    await store.put_draft(PROMPT_A, entry(1))
+    await store.put_draft(PROMPT_A, big)  # dropped, not raised: drafts only cost speed
+    assert await store.get_drafts([PROMPT_A]) == {PROMPT_A: [entry(1)]}
+    assert store.stats.oversized_entries == 1 and store.stats.errors == 0
+
+
 async def test_resilient_wrapper_passes_results_through(backend: Backend) -> None:
     store = ResilientStore(backend.make(), backend.settings())
     await store.put_draft(PROMPT_A, entry(1))
@@ -254,6 +264,24 @@ async def test_redis_layout_uses_hash_tags_and_ttl(
     assert key_slot(drafts.encode()) == key_slot(lengths.encode()) == key_slot(PROMPT_A.encode())
     assert 0 < redis_client.ttl(drafts) <= 600 and 0 < redis_client.ttl(lengths) <= 600
     assert redis_client.lrange(lengths, 0, -1) == [b"3"]
+    await store.close()
+
+
+async def test_redis_oversized_and_corrupt_entries_are_skipped_counted_and_never_raise(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    settings = redis_settings(redis_server.url, max_entry_bytes=1024)
+    store = RedisStore(settings)
+    resilient = ResilientStore(store, settings)
+    await store.put_draft(PROMPT_A, entry(1))
+    big = DraftEntry(tuple(range(300)), 1, "step-big", DraftSource.FUTURE, 1.0)
+    key = draft_key(settings.key_prefix, PROMPT_A)
+    redis_client.lpush(key, encode_entry(big))  # valid, but over the cap: written behind the store's back
+    redis_client.lpush(key, b"BSD1" + b"\xff" * 4000)  # over the cap and corrupt: counted as oversized
+    redis_client.lpush(key, b"BSD1\x01garbage")  # small and corrupt
+    assert await resilient.get_drafts([PROMPT_A]) == {PROMPT_A: [entry(1)]}
+    assert resilient.available
+    assert store.stats.oversized_entries == 2 and store.stats.corrupt_entries == 1 and store.stats.errors == 0
     await store.close()
 
 

@@ -10,7 +10,8 @@ default), heartbeats, answers ``LoadPolicy`` and ``DraftJob`` at once, and eithe
         result = await client.generate("s1", [(5, 6, 7)], SamplingParams(temperature=0, max_tokens=4))
 
 Completions are deterministic: ``min(max_tokens, 4)`` tokens derived from the prompt, so a
-test can tell which worker's answer reached the trainer.
+test can tell which worker's answer reached the trainer. ``fail``: a function of the
+assignment that returns a reason to answer it with ``Aborted`` instead (None: run it).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class FakeWorker:
         auto: bool = True,
         first: pb.WorkerMessage | None | object = _DEFAULT,
         heartbeat_seconds: float = 0.5,
+        fail: Callable[[pb.Assignment], str | None] | None = None,
     ):
         """``first``: the opening message (default: a proper hello; None: send nothing and
         half-close at once, an empty stream)."""
@@ -72,6 +74,8 @@ class FakeWorker:
         self.credentials = credentials
         self.auto = auto
         self.heartbeat_seconds = heartbeat_seconds
+        self.fail = fail
+        self.failed: list[str] = []  # request keys answered with Aborted
         hello = pb.Hello(worker_id=worker_id, capacity=capacity, policy_version=policy_version,
                          max_model_len=max_model_len, vocab_size=vocab_size, model="fake", speculation=speculation)
         self.first = pb.WorkerMessage(hello=hello) if first is _DEFAULT else first
@@ -184,6 +188,11 @@ class FakeWorker:
     def _handle(self, msg: pb.SchedulerMessage) -> None:
         kind = msg.WhichOneof("kind")
         if kind == "assign":
+            reason = self.fail(msg.assign) if self.fail is not None else None
+            if reason is not None:
+                self.failed.append(msg.assign.request_key)
+                self.send(aborted=pb.Aborted(request_key=msg.assign.request_key, reason=reason))
+                return
             self.assignments[msg.assign.request_key] = msg.assign
             if self.auto:
                 self.complete(msg.assign.request_key)

@@ -99,7 +99,12 @@ def fed() -> Harness:
     h.service.on_worker_message("w0", pb.WorkerMessage(policy_loaded=pb.PolicyLoaded(version=1, ok=True, seconds=2.0)))
     h.metrics.count_rpc("bubblespec.v1.Rollout/Status", grpc.StatusCode.OK)
     h.metrics.store = ResilientStore(MemoryStore())
+    h.service.journal = _Journal()  # read at scrape time only
     return h
+
+
+class _Journal:
+    rejected = 2
 
 
 class FakeAgent:

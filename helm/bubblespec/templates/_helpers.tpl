@@ -181,6 +181,32 @@ true
 {{- end }}
 {{- end -}}
 
+{{/* URL of the step journal's Redis (empty: none given, the scheduler uses the draft store's). */}}
+{{- define "bubblespec.redis.journalUrl" -}}
+{{- if .Values.redis.enabled -}}
+{{- printf "redis://%s.%s.svc:%d/0" (include "bubblespec.redis.fullname" .) .Release.Namespace (int .Values.redis.journal.port) -}}
+{{- else -}}
+{{- .Values.redis.external.journalUrl -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The scheduler's step journal: its Redis and the HMAC key (from the token Secret). With an
+existing token Secret the key is optional: without it the scheduler keeps no journal (it warns). */}}
+{{- define "bubblespec.journal.env" -}}
+{{- with include "bubblespec.redis.journalUrl" . }}
+- name: BUBBLESPEC_JOURNAL_REDIS_URL
+  value: {{ . | quote }}
+{{- end }}
+- name: BUBBLESPEC_JOURNAL_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "bubblespec.auth.secretName" . }}
+      key: {{ .Values.auth.journalSecretKey }}
+      {{- if .Values.auth.existingSecret }}
+      optional: true
+      {{- end }}
+{{- end -}}
+
 {{/* Volume and mount of the Redis CA bundle (nothing when not used). */}}
 {{- define "bubblespec.redis.caVolume" -}}
 {{- if include "bubblespec.redis.caEnabled" . -}}
@@ -267,6 +293,10 @@ failureThreshold: {{ .probe.failureThreshold }}
 {{- end -}}
 {{- if and (not .Values.redis.enabled) (not .Values.redis.external.tls.enabled) (hasPrefix "rediss://" .Values.redis.external.url) -}}
 {{- fail "redis.external.url starts with rediss://: set redis.external.tls.enabled to true" -}}
+{{- end -}}
+{{- $journal := .Values.redis.external.journalUrl -}}
+{{- if and (not .Values.redis.enabled) $journal (ne (hasPrefix "rediss://" $journal) (hasPrefix "rediss://" .Values.redis.external.url)) -}}
+{{- fail "redis.external.journalUrl must use the scheme of redis.external.url (one redis.external.tls covers both)" -}}
 {{- end -}}
 {{- if and (not .Values.model.hostPath.path) (not .Values.model.pvc.claimName) -}}
 {{- fail "set model.pvc.claimName or model.hostPath.path: the workers need a model volume" -}}

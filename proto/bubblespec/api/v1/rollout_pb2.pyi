@@ -46,7 +46,7 @@ class Prompt(_message.Message):
     def __init__(self, prompt_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids", "seed", "n", "ignore_eos")
+    __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids", "seed", "n", "ignore_eos", "logprobs_mode")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class SamplingParams(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -65,7 +66,8 @@ class SamplingParams(_message.Message):
     seed: int
     n: int
     ignore_eos: bool
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., n: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    logprobs_mode: str
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., n: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., logprobs_mode: _Optional[str] = ...) -> None: ...
 
 class SourceStats(_message.Message):
     __slots__ = ("source", "drafted_tokens", "accepted_tokens")
@@ -244,7 +246,7 @@ class CancelResponse(_message.Message):
     def __init__(self, cancelled_requests: _Optional[int] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("worker_id", "capacity", "policy_version", "max_model_len", "vocab_size", "model", "speculation")
+    __slots__ = ("worker_id", "capacity", "policy_version", "max_model_len", "vocab_size", "model", "speculation", "logprobs_mode")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +254,7 @@ class Hello(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     capacity: int
     policy_version: int
@@ -259,7 +262,8 @@ class Hello(_message.Message):
     vocab_size: int
     model: str
     speculation: bool
-    def __init__(self, worker_id: _Optional[str] = ..., capacity: _Optional[int] = ..., policy_version: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model: _Optional[str] = ..., speculation: _Optional[bool] = ...) -> None: ...
+    logprobs_mode: str
+    def __init__(self, worker_id: _Optional[str] = ..., capacity: _Optional[int] = ..., policy_version: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model: _Optional[str] = ..., speculation: _Optional[bool] = ..., logprobs_mode: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("running", "tokens_per_second")
@@ -294,16 +298,18 @@ class Aborted(_message.Message):
     def __init__(self, request_key: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class PolicyLoaded(_message.Message):
-    __slots__ = ("version", "ok", "error", "seconds")
+    __slots__ = ("version", "ok", "error", "seconds", "weights_unknown")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_UNKNOWN_FIELD_NUMBER: _ClassVar[int]
     version: int
     ok: bool
     error: str
     seconds: float
-    def __init__(self, version: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+    weights_unknown: bool
+    def __init__(self, version: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ..., weights_unknown: _Optional[bool] = ...) -> None: ...
 
 class DraftResult(_message.Message):
     __slots__ = ("job_id", "tokens", "finished")

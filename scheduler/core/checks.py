@@ -1,0 +1,51 @@
+"""Checks a completion must pass before the scheduler delivers it, whoever produced it.
+
+A live completion comes from a worker's stream; a replayed one from the step journal in Redis
+(after a scheduler restart). Neither source is trusted: both go through ``check_completion``
+(the body names the request it claims, its tokens are inside the vocabulary), and a replayed
+one also through ``check_replayed`` (it belongs to the step being resumed, to one of its
+requests, and to the step's policy version). Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from bubblespec.client.types import Completion
+from bubblespec.scheduler.core.state import request_key
+from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits, StepSpec
+
+__all__ = ["check_completion", "check_replayed"]
+
+
+def check_completion(c: Completion, key: str, limits: ModelLimits | None,
+                     field: str = "completion.completion") -> Completion:
+    """``c`` if it is the completion of request ``key`` with every token inside the vocabulary,
+    else ``InvalidRequest`` naming ``field`` (or ``field.token_ids``)."""
+    if request_key(c.step_id, c.prompt_id, c.sample_index) != key:
+        raise InvalidRequest(field, f"is for {c.step_id!r:.40}/{c.prompt_id!r:.40}/{c.sample_index}, "
+                             f"not for its request_key {key!r:.80}")
+    vocab = limits.vocab_size if limits is not None else 0
+    bad = next((t for t in c.token_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidRequest(f"{field}.token_ids", f"{bad} is outside the vocabulary [0, {vocab})")
+    return c
+
+
+def check_replayed(c: Completion, key: str, spec: StepSpec, limits: ModelLimits | None) -> Completion:
+    """``check_completion``, and ``c`` is a completion of a request of ``spec`` (step, prompt,
+    sample index below ``n``, at most the prompt's ``max_tokens`` tokens) made under the
+    step's policy version; else ``InvalidRequest`` naming the journal field."""
+    field = f"journal[{key!r:.80}]"
+    check_completion(c, key, limits, field)
+    if c.step_id != spec.step_id:
+        raise InvalidRequest(f"{field}.step_id", f"{c.step_id!r:.40} is not the resumed step {spec.step_id!r:.40}")
+    prompt = next((p for p in spec.prompts if p.prompt_id == c.prompt_id), None)
+    if prompt is None:
+        raise InvalidRequest(f"{field}.prompt_id", f"{c.prompt_id!r:.40} is not a prompt of step {spec.step_id!r:.40}")
+    if not 0 <= c.sample_index < spec.sampling.n:
+        raise InvalidRequest(f"{field}.sample_index", f"{c.sample_index} is outside [0, {spec.sampling.n})")
+    if c.policy_version != spec.policy_version:
+        raise InvalidRequest(f"{field}.policy_version",
+                             f"{c.policy_version} is not the step's policy version {spec.policy_version}")
+    if len(c.token_ids) > prompt.max_tokens:
+        raise InvalidRequest(f"{field}.token_ids", f"{len(c.token_ids)} tokens; the request allows {prompt.max_tokens}")
+    return c

@@ -1,0 +1,84 @@
+"""Engine processes die with the process that owns them, whatever kills it.
+
+vLLM 0.32 starts its engine core with multiprocessing ``spawn`` (a fresh interpreter), and the
+engine core starts its model-worker processes the same way. The model workers watch the engine
+core (a death pipe), but nothing makes the engine core watch *its* parent: a worker or
+``bubblespec up`` process killed by SIGKILL or the OOM killer, or one that exits before its
+engines finished shutting down, left the engine core and its model workers running under
+init (about 1 GB each).
+
+The lifeline: ``Lifeline()`` goes into the engine's vLLM config (``additional_config``). Spawn
+pickles that config into every child; unpickling it in the child (before vLLM builds anything)
+calls ``_arm(parent_pid)``, which asks the kernel to SIGKILL the child when its parent dies
+(``prctl(PR_SET_PDEATHSIG, SIGKILL)``) and exits at once if the parent is already gone. The
+engine core re-pickles the config for its model workers, so they get the same guarantee with
+respect to the engine core: killing the owner takes the whole tree down, within milliseconds,
+and needs nothing from the owner when it dies.
+
+One caveat: Linux delivers the parent-death signal when the *thread* that started the child
+exits, not the process. Engines are therefore started from ``STARTER``, one thread that lives
+as long as the process (asyncio's default executor would do today, but its threads are not
+promised to live that long). On other systems ``_arm`` does nothing.
+
+``exit_after(seconds)`` bounds a graceful shutdown: if draining has not finished by then, the
+process exits, and the lifeline takes its engines with it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+
+__all__ = ["STARTER", "Lifeline", "exit_after"]
+
+logger = logging.getLogger(__name__)
+_PR_SET_PDEATHSIG = 1
+
+STARTER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="bubblespec-engine-start")
+"""The thread that starts engine processes: it lives until the interpreter exits."""
+
+
+def _set_parent_death_signal(sig: int) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        logger.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+        return False
+    return True
+
+
+def _arm(parent_pid: int, items: dict) -> Lifeline:
+    """Runs where a ``Lifeline`` is unpickled: in a child process, tie its life to the parent."""
+    if os.getpid() != parent_pid and _set_parent_death_signal(signal.SIGKILL) and os.getppid() != parent_pid:
+        os.kill(os.getpid(), signal.SIGKILL)  # the parent died before the signal was armed
+    return Lifeline(items)
+
+
+class Lifeline(dict):
+    """A marker for vLLM's ``additional_config``: an (empty) dict, so the config still hashes
+    and serializes as before; unpickled in another process, it arms the parent-death signal
+    there (``_arm``). A copy made in the same process (deepcopy) arms nothing."""
+
+    def __reduce__(self):
+        return _arm, (os.getpid(), dict(self))
+
+
+def exit_after(seconds: float, what: str = "shutdown") -> threading.Timer:
+    """Force the process out ``seconds`` from now (a daemon timer: it does not wait for the
+    event loop, which may be the thing that is stuck). Cancel it when the shutdown finished."""
+
+    def expire() -> None:
+        logger.error("%s did not finish within %.0fs: exiting now (engine processes die with this one)", what, seconds)
+        logging.shutdown()
+        os._exit(1)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    return timer
