@@ -27,6 +27,7 @@ def _scheduler_settings(a: argparse.Namespace, **over) -> SchedulerSettings:
                   redis_url=a.redis_url, redis_password=a.redis_password, trainer_token=a.trainer_token,
                   worker_token=a.worker_token, tls_cert_file=a.tls_cert_file, tls_key_file=a.tls_key_file,
                   tls_client_ca_file=a.tls_client_ca_file, default_policy=a.default_policy,
+                  default_logprobs_mode=a.default_logprobs_mode,
                   redis_tls_ca_file=a.redis_tls_ca_file, orphan_grace_seconds=a.orphan_grace_seconds,
                   journal_redis_url=a.journal_redis_url, journal_secret=a.journal_secret,
                   journal_finished_ttl_seconds=a.journal_finished_ttl_seconds)

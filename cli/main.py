@@ -50,6 +50,7 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
     _add(p, "tls-key-file", "", "PEM key for the gRPC port")
     _add(p, "tls-client-ca-file", "", "PEM CA for client certificates (mutual TLS)")
     _add(p, "default-policy", "queue", "policy of steps that name none: static | queue | longest-first")
+    _add(p, "default-logprobs-mode", "processed", "logprobs of steps that name none: processed | raw")
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:

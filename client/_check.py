@@ -149,5 +149,7 @@ def check_sampling(sp: object, n: object = None, field: str = "sampling") -> Non
     if sp.seed is not None:
         check_int(sp.seed, f"{field}.seed", *INT64)
     check_bool(sp.ignore_eos, f"{field}.ignore_eos")
+    if not isinstance(sp.logprobs_mode, str):
+        raise fail(f"{field}.logprobs_mode", f"must be a str ('processed', 'raw' or ''), got {_kind(sp.logprobs_mode)}")
     if n is not None:
         check_int(n, "n", 1)

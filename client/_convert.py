@@ -61,7 +61,7 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         seed=msg.seed if msg.HasField("seed") else None,
         n=msg.n,
         ignore_eos=msg.ignore_eos,
-        logprobs_mode=msg.logprobs_mode or "processed",
+        logprobs_mode=msg.logprobs_mode,
     )
 
 

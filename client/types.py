@@ -51,12 +51,13 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1
     ignore_eos: bool = False
-    logprobs_mode: str = "processed"
+    logprobs_mode: str = ""
     """What ``Completion.logprobs`` holds: ``processed`` (log-probabilities under the distribution
     each token was sampled from: temperature, top_k and top_p applied; the behaviour policy of
-    importance ratios) or ``raw`` (the model's log-softmax before them). The workers' engines
-    serve one mode each (``EngineSettings.logprobs_mode``, processed by default); a step asking
-    for a mode no connected worker serves is refused, naming ``sampling.logprobs_mode``."""
+    importance ratios) or ``raw`` (the model's log-softmax before them); '' = the scheduler's
+    default (``SchedulerSettings.default_logprobs_mode``, processed unless configured). Each
+    worker's engine returns one mode (``EngineSettings.logprobs_mode``, processed by default); a
+    step asking for a mode no connected worker returns is refused, naming ``sampling.logprobs_mode``."""
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,8 @@ class Scheduler:
         server = grpc.aio.server(options=opts, interceptors=[
             self.metrics.grpc_interceptor(), TokenAuthInterceptor(s.trainer_token, s.worker_token)])
         pbg.add_RolloutServicer_to_server(
-            RolloutServicer(self.service, s.limits, SchedulingPolicy(s.default_policy), self.status), server)
+            RolloutServicer(self.service, s.limits, SchedulingPolicy(s.default_policy), self.status,
+                            s.default_logprobs_mode), server)
         pbg.add_WorkerLinkServicer_to_server(WorkerLinkServicer(self.service, s.limits, s.max_message_bytes), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = (*[pb.DESCRIPTOR.services_by_name[n.split(".")[-1]].full_name for n in SERVICES],

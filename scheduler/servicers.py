@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 
 import grpc
 
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.api.v1 import rollout_pb2_grpc as pbg
 from bubblespec.client import _convert as cv
+from bubblespec.client.types import LOGPROBS_MODES, SamplingParams
 from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits, WorkerHello
 from bubblespec.scheduler.core.validate import (
     Limits, build_step, check_id, check_request_bytes, check_sampling, check_weights_path, prompt_tokens,
@@ -28,11 +30,21 @@ async def _abort(context: grpc.aio.ServicerContext, exc: InvalidRequest) -> None
 
 
 class RolloutServicer(pbg.RolloutServicer):
-    def __init__(self, service: SchedulerService, limits: Limits, default_policy, status: StatusView | None = None):
+    def __init__(self, service: SchedulerService, limits: Limits, default_policy, status: StatusView | None = None,
+                 default_logprobs_mode: str = "processed"):
         self.service = service
         self.limits = limits
         self.default_policy = default_policy
+        if default_logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"default_logprobs_mode: must be one of {', '.join(LOGPROBS_MODES)}, "
+                             f"got {default_logprobs_mode!r:.40}")
+        self.default_logprobs_mode = default_logprobs_mode
         self.status = status or StatusView(service.core)  # shared with /status: one document serves both
+
+    def _sampling(self, msg: pb.SamplingParams) -> SamplingParams:
+        """A step's sampling, its logprobs mode defaulted (``SchedulerSettings.default_logprobs_mode``)."""
+        sampling = cv.sampling_from_pb(msg)
+        return replace(sampling, logprobs_mode=sampling.logprobs_mode or self.default_logprobs_mode)
 
     def _model(self) -> ModelLimits:
         if self.service.core.limits is None:
@@ -45,7 +57,7 @@ class RolloutServicer(pbg.RolloutServicer):
             spec = build_step(
                 step_id=request.step_id, policy_version=request.policy_version,
                 prompts=[cv.prompt_from_pb(p) for p in request.prompts],
-                sampling=cv.sampling_from_pb(request.sampling),
+                sampling=self._sampling(request.sampling),
                 lookahead=[cv.prompt_from_pb(p) for p in request.lookahead],
                 policy=_policy(request.policy) or self.default_policy,
                 use_drafts=not request.disable_drafts, straggler_watch=not request.disable_straggler_watch,

@@ -79,6 +79,10 @@ class SchedulerSettings:
     trainer re-attaching (the SDK re-attaches within seconds on retryable errors)."""
     default_policy: str = "queue"
     """Scheduling policy of steps that name none: static | queue | longest-first."""
+    default_logprobs_mode: str = "processed"
+    """Logprobs of steps that name none (``SamplingParams.logprobs_mode``): processed | raw.
+    The workers' engines must return them (``EngineSettings.logprobs_mode``), or such steps
+    are refused."""
     status_max_age_seconds: float = 0.5
     """/status and the Status RPC reuse a built status document for this long: any number of
     pollers cost one build per period (a build takes milliseconds of event-loop time per

@@ -5,8 +5,9 @@ event loop that also carries every gRPC call, heartbeat and completion.
 encodes only what is new, and hands back the same document for ``max_age_seconds``. What is new
 can still be a lot: the first call at thousands of workers, or the first after a long pause in
 polling, meets up to ``CoreSettings.timeline_segments`` unencoded segments per worker (about
-0.5 s of CPU at 1,024 workers). That part runs in a thread, on copies of the segment lists (the
-segments themselves never change); the loop only assembles the document. One build at a time:
+0.5 s of CPU at 1,024 workers). So the loop only reads the core (``prepare``: the workers'
+fields and the new segments, which never change once closed); the encoding and the assembly of
+the document (megabytes at that scale) run in a thread (``finish``). One build at a time:
 callers that arrive meanwhile get the document it builds.
 """
 
@@ -33,7 +34,5 @@ class StatusView:
         async with self._lock:
             if not current and (fresh := self.encoder.fresh(self.core)) is not None:
                 return fresh
-            stale = self.encoder.stale(self.core)
-            if stale:
-                await asyncio.to_thread(self.encoder.catch_up, stale)
-            return self.encoder.encode(self.core, reuse=False)
+            pending = self.encoder.prepare(self.core)  # on the loop: reads the core, copies little
+            return await asyncio.to_thread(self.encoder.finish, pending)

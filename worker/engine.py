@@ -195,7 +195,7 @@ class VllmEngine:
         from vllm.sampling_params import RequestOutputKind
 
         sp = request.sampling
-        if sp.logprobs_mode != self.settings.logprobs_mode:  # the scheduler routes by mode: a bug if seen
+        if sp.logprobs_mode not in ("", self.settings.logprobs_mode):  # the scheduler routes by mode
             raise ValueError(f"sampling.logprobs_mode: this engine returns {self.settings.logprobs_mode!r} "
                              f"logprobs, the request asks for {sp.logprobs_mode!r}")
         drafts = [[src, _pack(tokens)] for src, tokens in request.drafts]

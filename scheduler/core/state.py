@@ -261,7 +261,7 @@ class SchedulerCore:
         self.planner.check_room(spec.lookahead, self.settings.max_announced_prompts, "lookahead",
                                 leaving=[p.token_ids for p in spec.prompts])
         modes = {w.hello.logprobs_mode for w in self.workers.values()}
-        if modes and spec.sampling.logprobs_mode not in modes:
+        if modes and spec.sampling.logprobs_mode and spec.sampling.logprobs_mode not in modes:
             raise InvalidRequest("sampling.logprobs_mode", f"no connected worker returns {spec.sampling.logprobs_mode!r} "
                                  f"logprobs (they return {', '.join(sorted(modes))}; EngineSettings.logprobs_mode)",
                                  "FAILED_PRECONDITION")
@@ -616,7 +616,7 @@ class SchedulerCore:
         req = step.requests[key]
         if req.done or req.worker is not None:
             return False
-        if step.spec.policy_version != w.version or req.spec.sampling.logprobs_mode != w.hello.logprobs_mode:
+        if step.spec.policy_version != w.version or not _serves(w, step.spec.sampling):
             step.shared.append(key)  # someone with the right version and logprobs will take it
             return False
         tried = {wid for wid, _ in req.failures}
@@ -628,8 +628,8 @@ class SchedulerCore:
     def _another_can_run(self, w: WorkerState, step: StepState, tried: set[str] = frozenset()) -> bool:  # type: ignore[assignment]
         """Whether a worker other than ``w``, and none of those in ``tried``, can run the step's work."""
         return any(o is not w and o.hello.worker_id not in tried and o.load_failed is None
-                   and o.version == step.spec.policy_version
-                   and o.hello.logprobs_mode == step.spec.sampling.logprobs_mode for o in self.workers.values())
+                   and o.version == step.spec.policy_version and _serves(o, step.spec.sampling)
+                   for o in self.workers.values())
 
     def _plan_drafts(self, w: WorkerState) -> list[Action]:
         if not (self.settings.drafting and w.hello.speculation and w.version == self.version):
@@ -732,6 +732,11 @@ class SchedulerCore:
 
 
 _NOBODY = WorkerState(WorkerHello("", 1, 0, ModelLimits(1, 1)), 0, 0.0, 0.0)
+
+
+def _serves(w: WorkerState, sampling: SamplingParams) -> bool:
+    """``w`` returns the logprobs ``sampling`` asks for ('' = any: the shell resolves the default)."""
+    return sampling.logprobs_mode in ("", w.hello.logprobs_mode)
 
 
 def request_key(step_id: str, prompt_id: str, sample_index: int) -> str:

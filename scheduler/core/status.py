@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from bubblespec.scheduler.core.state import SchedulerCore, StepState, WorkerState
 
-__all__ = ["StatusDocument", "StatusEncoder", "snapshot"]
+__all__ = ["PendingDocument", "StatusDocument", "StatusEncoder", "snapshot"]
 
 
 def _worker(w: WorkerState, now: float) -> dict:
@@ -96,7 +96,9 @@ class StatusDocument:
 class _Segments:
     """The JSON text of one worker's closed timeline segments (without brackets), kept in step
     with the list: new segments are encoded and appended, dropped ones cut off the front.
-    One string per worker, so the cache adds few objects for the garbage collector to walk."""
+    One string per worker, so the cache adds few objects for the garbage collector to walk.
+    ``plan`` reads the live list (cheap: it looks for the newest segment encoded, usually the
+    last or nearly); ``apply`` does the encoding and may run in another thread."""
 
     def __init__(self, segments: list) -> None:
         self.source = segments
@@ -104,35 +106,29 @@ class _Segments:
         self.lengths: deque[int] = deque()  # text length of each encoded segment, oldest first
         self.last: tuple | None = None  # the newest segment encoded
 
-    def stale(self) -> bool:
-        return bool(self.source) and self.source[-1] is not self.last
-
-    def text(self, segs: list | None = None) -> str:
-        """Bring the text up to ``segs`` (default: the live list; a copy of it may be passed
-        from another thread while nothing else touches this cache) and return it."""
-        segs = self.source if segs is None else segs
+    def plan(self) -> tuple[bool, int, list]:
+        """(start over, how many of the oldest encoded segments to cut, the new segments)."""
+        segs = self.source
         i = len(segs) - 1
-        while i >= 0 and segs[i] is not self.last:  # usually found at once: few segments are new
+        while i >= 0 and segs[i] is not self.last:
             i -= 1
         if i < 0:  # first build, or every encoded segment was dropped: encode them all
-            self.joined, self.lengths = "", deque()
-        else:
-            self._drop(len(self.lengths) - (i + 1))
-        new = [_segment_text(seg) for seg in segs[i + 1:]]
-        if new:
-            self.lengths.extend(len(t) for t in new)
-            self.joined += ("," if self.joined else "") + ",".join(new)
-            self.last = segs[-1]
-        elif not segs:
-            self.last = None
-        return self.joined
+            return True, 0, list(segs)
+        return False, len(self.lengths) - (i + 1), segs[i + 1:]
 
-    def _drop(self, k: int) -> None:
-        """Cut the ``k`` oldest encoded segments (the timeline dropped them)."""
-        if k <= 0:
-            return
-        cut = sum(self.lengths.popleft() for _ in range(k)) + k  # each with its "," separator
-        self.joined = self.joined[cut:]
+    def apply(self, plan: tuple[bool, int, list]) -> str:
+        reset, drop, new = plan
+        if reset:
+            self.joined, self.lengths, self.last = "", deque(), None
+        elif drop > 0:
+            cut = sum(self.lengths.popleft() for _ in range(drop)) + drop  # each with its "," separator
+            self.joined = self.joined[cut:]
+        texts = [_segment_text(seg) for seg in new]
+        if texts:
+            self.lengths.extend(len(t) for t in texts)
+            self.joined += ("," if self.joined else "") + ",".join(texts)
+            self.last = new[-1]
+        return self.joined
 
 
 def _segment_text(seg: tuple) -> str:
@@ -153,9 +149,22 @@ _COMPACT = (",", ":")
 _STATES = {s: _dumps(s) for s in ("busy", "idle", "drafting", "loading")}
 
 
+@dataclass(frozen=True)
+class PendingDocument:
+    """What ``StatusEncoder.prepare`` read from the core; ``finish`` turns it into JSON."""
+
+    now: float
+    view: dict
+    workers: list  # (segment cache, its plan, the worker's fields, its current segment)
+
+
 class StatusEncoder:
     """``snapshot(core)`` as JSON bytes, rebuilt at most every ``max_age_seconds`` (core
-    clock), each closed timeline segment encoded once (see the module docstring)."""
+    clock), each closed timeline segment encoded once (see the module docstring).
+
+    ``prepare`` reads the core (it must run where the core is driven: the event loop) and is
+    cheap; ``finish`` encodes, from what ``prepare`` copied, and may run in another thread, one
+    build at a time. ``encode`` does both."""
 
     def __init__(self, max_age_seconds: float = 0.5) -> None:
         self.max_age_seconds = max_age_seconds
@@ -167,41 +176,30 @@ class StatusEncoder:
         last = self._last
         return last if last is not None and 0 <= core.clock() - last.built_at < self.max_age_seconds else None
 
-    def stale(self, core: SchedulerCore) -> list[tuple[_Segments, list]]:
-        """Segment caches behind their timelines, each with a copy of the timeline's list (the
-        segments themselves never change): ``catch_up`` may encode them off the event loop."""
-        self._segments = {wid: self._cache(wid, w) for wid, w in core.workers.items()}  # leavers forgotten
-        return [(c, list(c.source)) for c in self._segments.values() if c.stale()]
-
-    @staticmethod
-    def catch_up(stale: list[tuple[_Segments, list]]) -> int:
-        """Encode the segments ``stale`` found (any thread, while nothing else uses this
-        encoder); the next ``encode`` then only adds what came since. Returns the segments seen."""
-        for cache, segs in stale:
-            cache.text(segs)
-        return sum(len(segs) for _, segs in stale)
-
-    def _cache(self, wid: str, w: WorkerState) -> _Segments:
-        cache = self._segments.get(wid)
-        return cache if cache is not None and cache.source is w.timeline.segments else _Segments(w.timeline.segments)
-
     def encode(self, core: SchedulerCore, reuse: bool = True) -> StatusDocument:
         """The document; ``reuse=False``: built now, even if one is less than max_age old."""
         if reuse and (fresh := self.fresh(core)) is not None:
             return fresh
+        return self.finish(self.prepare(core))
+
+    def prepare(self, core: SchedulerCore) -> PendingDocument:
         now = core.clock()
-        fields, texts = [], []
-        segments: dict[str, _Segments] = {}
-        for wid, w in core.workers.items():
-            segments[wid] = cache = self._cache(wid, w)
-            f = _worker_fields(w)
-            fields.append(f)
-            closed = cache.text()
-            current = _segment_text((w.state, w.state_since, now))
-            texts.append(f'{_dumps(f)[:-1]},"timeline":[{closed}{"," if closed else ""}{current}]}}')
-        self._segments = segments  # workers that left are forgotten
-        view = _document(core, now, fields)
-        head = _dumps(view | {"workers": None}).split('"workers":null', 1)  # "now", "policy_version" come first
+        caches = {wid: self._cache(wid, w) for wid, w in core.workers.items()}
+        self._segments = caches  # workers that left are forgotten
+        workers = [(caches[wid], caches[wid].plan(), _worker_fields(w), (w.state, w.state_since, now))
+                   for wid, w in core.workers.items()]
+        return PendingDocument(now, _document(core, now, [f for _, _, f, _ in workers]), workers)
+
+    def finish(self, pending: PendingDocument) -> StatusDocument:
+        texts = []
+        for cache, plan, fields, current in pending.workers:
+            closed = cache.apply(plan)
+            texts.append(f'{_dumps(fields)[:-1]},"timeline":[{closed}{"," if closed else ""}{_segment_text(current)}]}}')
+        head = _dumps(pending.view | {"workers": None}).split('"workers":null', 1)  # "now", "policy_version" come first
         body = f'{head[0]}"workers":[{",".join(texts)}]{head[1]}'.encode()
-        self._last = StatusDocument(view, body, now)
+        self._last = StatusDocument(pending.view, body, pending.now)
         return self._last
+
+    def _cache(self, wid: str, w: WorkerState) -> _Segments:
+        cache = self._segments.get(wid)
+        return cache if cache is not None and cache.source is w.timeline.segments else _Segments(w.timeline.segments)

@@ -127,9 +127,9 @@ def check_sampling(sp: SamplingParams, limits: Limits, model: ModelLimits) -> No
                                  f"{tok!r:.40} is outside the vocabulary [0, {model.vocab_size})")
     if sp.seed is not None and (not _is_int(sp.seed) or not 0 <= sp.seed < 2**62):
         raise InvalidRequest("sampling.seed", f"must be in [0, 2**62), got {sp.seed!r:.40}")
-    if sp.logprobs_mode not in LOGPROBS_MODES:
-        raise InvalidRequest("sampling.logprobs_mode",
-                             f"must be one of {', '.join(LOGPROBS_MODES)}, got {sp.logprobs_mode!r:.40}")
+    if sp.logprobs_mode not in ("", *LOGPROBS_MODES):
+        raise InvalidRequest("sampling.logprobs_mode", f"must be one of {', '.join(LOGPROBS_MODES)} "
+                             f"('' = the scheduler's default), got {sp.logprobs_mode!r:.40}")
 
 
 def prompt_tokens(p: Prompt, field: str, model: ModelLimits, tokenize: Tokenize | None,

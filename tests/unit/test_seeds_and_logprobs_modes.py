@@ -13,6 +13,8 @@ from bubblespec.scheduler.core.drafting import DRAFT_SEEDS
 from bubblespec.scheduler.core.state import CoreSettings, SchedulerCore
 from bubblespec.scheduler.core.types import Assign, InvalidRequest, ModelLimits, RequestSpec, StartDraft, WorkerHello
 from bubblespec.scheduler.core.validate import Limits, build_step, check_sampling
+from bubblespec.scheduler.servicers import RolloutServicer
+from bubblespec.scheduler.settings import SchedulerSettings
 from bubblespec.worker.engine import EngineSettings
 
 LIMITS = ModelLimits(max_model_len=256, vocab_size=100)
@@ -112,11 +114,25 @@ def test_bad_logprobs_modes_are_refused_naming_the_field():
         EngineSettings(logprobs_mode="raw_logprobs")
 
 
-def test_logprobs_mode_round_trips_and_defaults_to_processed():
+def test_logprobs_mode_round_trips_and_defaults_to_the_schedulers_processed():
     assert cv.sampling_from_pb(cv.sampling_to_pb(SamplingParams(logprobs_mode="raw"))).logprobs_mode == "raw"
-    assert cv.sampling_from_pb(pb.SamplingParams(max_tokens=4)).logprobs_mode == "processed"  # older clients
-    assert SamplingParams().logprobs_mode == "processed" and EngineSettings().logprobs_mode == "processed"
+    assert cv.sampling_from_pb(pb.SamplingParams(max_tokens=4)).logprobs_mode == ""  # unset: the scheduler's default
+    assert SamplingParams().logprobs_mode == "" and EngineSettings().logprobs_mode == "processed"
+    assert SchedulerSettings().default_logprobs_mode == "processed"
     assert EngineSettings().seed is None  # each engine draws its own
+
+
+def test_a_step_naming_no_mode_gets_the_schedulers_default():
+    class Service:
+        core = core()
+
+    msg = cv.sampling_to_pb(SamplingParams(max_tokens=8))
+    assert RolloutServicer(Service(), Limits(), None)._sampling(msg).logprobs_mode == "processed"
+    assert RolloutServicer(Service(), Limits(), None, None, "raw")._sampling(msg).logprobs_mode == "raw"
+    named = cv.sampling_to_pb(SamplingParams(max_tokens=8, logprobs_mode="processed"))
+    assert RolloutServicer(Service(), Limits(), None, None, "raw")._sampling(named).logprobs_mode == "processed"
+    with pytest.raises(ValueError, match="default_logprobs_mode"):
+        RolloutServicer(Service(), Limits(), None, None, "logits")
 
 
 def test_work_moved_off_the_only_worker_of_its_mode_goes_back_to_it():
