@@ -254,6 +254,10 @@ class SchedulerCore:
                                  "run the step after UpdatePolicy returns", "FAILED_PRECONDITION")
         if spec.policy_version != self.version:
             raise InvalidRequest("policy_version", f"{spec.policy_version} is not the current policy version {self.version}", "FAILED_PRECONDITION")
+        if self.workers and not any(self.version in (w.version, w.loading) for w in self.workers.values()):
+            held = ", ".join(sorted({str(w.version) for w in self.workers.values()}))
+            raise InvalidRequest("policy_version", f"no connected worker holds policy version {self.version} (they "
+                                 f"hold {held}, after a failed update); run update_policy again", "FAILED_PRECONDITION")
         active = sum(1 for s in self.steps.values() if s.active)
         if active >= self.settings.max_active_steps:
             raise InvalidRequest("step_id", f"the scheduler already runs {active} steps, its limit (max_active_steps); "

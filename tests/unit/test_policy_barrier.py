@@ -84,6 +84,22 @@ def test_a_load_that_left_weights_unknown_keeps_that_worker_out_of_every_version
     assert {a.worker_id for a in of(core.submit_step(step("s", 4, version=0)), Assign)} == {"b"}
 
 
+def test_step_at_a_version_no_worker_holds_is_refused_instead_of_waiting_forever():
+    core, _ = two_workers()
+    core.update_policy(1, "/half")
+    core.on_policy_loaded("a", 1, True)
+    core.on_policy_loaded("b", 1, False, "reload failed half way", weights_unknown=True)
+    assert core.version == 0 and core.workers["a"].version == 1 and core.workers["b"].version == -1
+    with pytest.raises(InvalidRequest) as err:
+        core.submit_step(step("s", 4, version=0))
+    assert err.value.field == "policy_version" and err.value.code == "FAILED_PRECONDITION"
+    assert "no connected worker holds policy version 0" in str(err.value) and "s" not in core.steps
+    core.update_policy(1, "/whole")  # the remedy the error names
+    core.on_policy_loaded("a", 1, True)
+    assert of(core.on_policy_loaded("b", 1, True), PolicyReady) == [PolicyReady(1, 2)]
+    assert {a.worker_id for a in of(core.submit_step(step("t", 4, version=1)), Assign)} == {"a", "b"}
+
+
 def test_update_with_no_live_worker_fails_unavailable_and_changes_nothing():
     core, _ = make_core()
     with pytest.raises(InvalidRequest) as err:
