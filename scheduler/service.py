@@ -213,7 +213,13 @@ class SchedulerService:
         self.barriers.append((version, fut))
         try:
             self.execute(self.core.update_policy(version, weights_path))
-            return await fut
+            loaded = await fut
+            if self.journal is not None:  # answer once a restarted scheduler would know the version
+                try:
+                    await self.journal.flush()
+                except TimeoutError:  # Redis slow: the update holds; only its resumability is at risk
+                    logger.warning("policy version %d: journal write not confirmed within 5 s", version)
+            return loaded
         finally:
             if (version, fut) in self.barriers:  # refused, or the caller went away: the update goes on
                 self.barriers.remove((version, fut))

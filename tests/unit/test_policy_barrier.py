@@ -171,8 +171,13 @@ class Journal:
     def __init__(self) -> None:
         self.policies: list[tuple[int, str]] = []
 
+        self.flushed: list[tuple[int, str]] = []  # what was saved when UpdatePolicy answered
+
     def save_policy(self, version: int, weights_path: str) -> None:
         self.policies.append((version, weights_path))
+
+    async def flush(self) -> None:
+        self.flushed = list(self.policies)
 
 
 def loaded(service: SchedulerService, worker: str, version: int, ok: bool, error: str = "") -> None:
@@ -201,6 +206,7 @@ async def test_service_answers_a_failed_update_with_each_reason_and_journals_not
     loaded(service, "a", 1, True)
     loaded(service, "b", 1, True)
     assert await retry == 2
+    assert journal.flushed == journal.policies == [(1, "/good")]  # answered once the version was written
     assert await service.update_policy(1, "/good") == 2  # done: the same answer
     assert journal.policies[0] == (1, "/good")
 
