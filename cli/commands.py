@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -39,7 +40,8 @@ def _engine_settings(a: argparse.Namespace) -> EngineSettings:
     return EngineSettings(model=a.model, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                           num_speculative_tokens=a.num_speculative_tokens,
                           tensor_parallel_size=a.tensor_parallel_size, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
-                          dtype=a.dtype, logprobs_mode=a.logprobs_mode)
+                          dtype=a.dtype, logprobs_mode=a.logprobs_mode,
+                          allow_unsupported_vllm=a.allow_unsupported_vllm, self_checks=not a.unsafe_skip_self_checks)
 
 
 def ensure_tiny_model(path: Path = TINY_MODEL_DIR) -> str:
@@ -56,14 +58,30 @@ def scheduler(a: argparse.Namespace) -> None:
     run(_scheduler_settings(a))
 
 
-def worker(a: argparse.Namespace) -> None:
+def worker(a: argparse.Namespace) -> int:
+    from bubblespec.worker.compat import UnsupportedVllm
     from bubblespec.worker.main import run
+    from bubblespec.worker.selfcheck import SelfCheckFailed
 
     settings = WorkerSettings(scheduler=a.scheduler, worker_id=a.worker_id, token=a.worker_token,
                               tls=a.tls, tls_ca_file=a.tls_ca_file, tls_cert_file=a.tls_cert_file,
                               tls_key_file=a.tls_key_file, engine=_engine_settings(a))
     store = StoreSettings(url=a.redis_url, password=a.redis_password, tls_ca_file=a.redis_tls_ca_file)
-    run(settings, store, a.metrics_port, a.shutdown_seconds)
+    try:
+        run(settings, store, a.metrics_port, a.shutdown_seconds)
+    except (UnsupportedVllm, SelfCheckFailed) as exc:
+        return _refused("worker", exc)
+    return 0
+
+
+REFUSED_STATUS = 3
+"""Exit status of a worker (or ``up``/``demo``) that refused to serve: unsupported vLLM or a
+failed start-up self-check."""
+
+
+def _refused(command: str, exc: Exception) -> int:
+    print(f"bubblespec {command}: {exc}", file=sys.stderr, flush=True)
+    return REFUSED_STATUS
 
 
 def _on_core(settings: EngineSettings, core: int) -> EngineSettings:
@@ -86,12 +104,14 @@ class Cluster:
         self.agents: list = []
         self.engines: list = []
         self._tasks: list[asyncio.Task] = []
+        self.self_checked: list[bool] = []  # per engine: the start-up self-checks ran and passed
 
     async def start(self) -> None:
         from bubblespec.scheduler.server import Scheduler
         from bubblespec.store import open_store
         from bubblespec.worker.agent import WorkerAgent
         from bubblespec.worker.engine import VllmEngine
+        from bubblespec.worker.selfcheck import require_self_checks
 
         self.scheduler = Scheduler(self.scheduler_settings)
         await self.scheduler.start()
@@ -100,6 +120,13 @@ class Cluster:
         cores = os.cpu_count() or 1
         self.engines = [VllmEngine(_on_core(self.engine_settings, i % cores)) for i in range(self.num_workers)]
         await asyncio.gather(*(engine.start() for engine in self.engines))
+        try:  # before any agent says hello: an engine that fails them never joins
+            self.self_checked = list(await asyncio.gather(*(require_self_checks(e) for e in self.engines)))
+        except BaseException:
+            for engine in self.engines:
+                await engine.shutdown()
+            await self.scheduler.stop(grace=0)
+            raise
         for i, engine in enumerate(self.engines):
             agent = WorkerAgent(WorkerSettings(scheduler=target, worker_id=f"worker-{i}",
                                                token=self.scheduler_settings.worker_token,
@@ -129,7 +156,7 @@ def _with_model(a: argparse.Namespace) -> argparse.Namespace:
     return a
 
 
-def up(a: argparse.Namespace) -> None:
+def up(a: argparse.Namespace) -> int:
     async def main() -> None:
         _with_model(a)
         cluster = Cluster(_scheduler_settings(a, tokenizer=a.tokenizer or a.model), _engine_settings(a), a.workers)
@@ -148,7 +175,14 @@ def up(a: argparse.Namespace) -> None:
             await cluster.stop()  # also shuts the vLLM engine processes down
             deadline.cancel()
 
-    asyncio.run(main())
+    from bubblespec.worker.compat import UnsupportedVllm
+    from bubblespec.worker.selfcheck import SelfCheckFailed
+
+    try:
+        asyncio.run(main())
+    except (UnsupportedVllm, SelfCheckFailed) as exc:
+        return _refused("up", exc)
+    return 0
 
 
 def bench(a: argparse.Namespace) -> None:

@@ -62,6 +62,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     _add(p, "kv-cache-memory-bytes", 256 * 2**20, "KV cache size for CPU engines")
     _add(p, "dtype", "auto", "weights dtype (auto: the checkpoint's on CPU engines, vLLM's choice on GPUs)")
     _add(p, "logprobs-mode", "processed", "returned logprobs: processed (temperature/top-k/top-p applied) | raw")
+    _add(p, "allow-unsupported-vllm", False, "start on a vLLM release the worker was not checked against "
+         "(exactness UNVERIFIED; logged loudly)")
+    _add(p, "unsafe-skip-self-checks", False, "UNSAFE: skip the start-up self-checks (drafts, CPU sampler fix, "
+         "weight reload) that run before a worker joins the scheduler")
 
 
 def _worker_flags(p: argparse.ArgumentParser) -> None:

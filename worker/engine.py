@@ -69,6 +69,13 @@ class EngineSettings:
     cpu_cores: str = ""
     """CPU engines: cores its threads are bound to, e.g. "1" or "0-3" ('' = vLLM's default).
     Several engines on one machine need disjoint cores, or they all bind to the same one."""
+    allow_unsupported_vllm: bool = False
+    """Start on a vLLM release the worker was not checked against (``compat.SUPPORTED_VLLM``)
+    instead of refusing to; logged loudly. The start-up self-checks still run."""
+    self_checks: bool = True
+    """Run the start-up self-checks (``selfcheck``) before the worker joins the scheduler.
+    UNSAFE to turn off: nothing then verifies that drafts, the CPU sampler fix or weight
+    reloads work on this vLLM. For debugging only."""
 
     def __post_init__(self) -> None:
         if self.logprobs_mode not in LOGPROBS_MODES:
@@ -146,6 +153,9 @@ class VllmEngine:
         self._expected: Checkpoint | None = None  # the start checkpoint: what a new policy must match
 
     async def start(self) -> None:
+        from bubblespec.worker.compat import require_supported_vllm
+
+        require_supported_vllm(self.settings.allow_unsupported_vllm)  # before any engine process exists
         _import_vllm()
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -174,7 +184,10 @@ class VllmEngine:
         )
         # Engine start-up blocks for tens of seconds: keep the event loop (heartbeats) running.
         async with _SPAWN_LOCK:  # the engine process reads its core binding from the environment
-            with _environ(VLLM_CPU_OMP_THREADS_BIND=s.cpu_cores or None):
+            # spawn, not fork: the lifeline reaches an engine process only through a fresh interpreter
+            # (vLLM's CPU platform forces spawn; on CUDA it defaults to fork). A value the operator set stays.
+            spawn = None if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") else "spawn"
+            with _environ(VLLM_CPU_OMP_THREADS_BIND=s.cpu_cores or None, VLLM_WORKER_MULTIPROC_METHOD=spawn):
                 # from the lifeline's long-lived thread: the kernel ties the engine's life to it
                 self._llm = await asyncio.get_running_loop().run_in_executor(STARTER, AsyncLLM.from_engine_args, args)
         self._tokenizer = self._llm.tokenizer

@@ -10,6 +10,7 @@ from bubblespec.store import StoreSettings, open_store
 from bubblespec.worker.agent import WorkerAgent, WorkerSettings
 from bubblespec.worker.engine import VllmEngine
 from bubblespec.worker.lifeline import exit_after
+from bubblespec.worker.selfcheck import require_self_checks
 
 __all__ = ["run"]
 
@@ -20,8 +21,13 @@ async def serve(settings: WorkerSettings, store_settings: StoreSettings, metrics
                 shutdown_seconds: float = 90.0) -> None:
     """Run until SIGTERM/SIGINT, then stop the agent and the engine; a shutdown that takes
     longer than ``shutdown_seconds`` ends the process (its engine processes die with it)."""
-    engine = VllmEngine(settings.engine)
+    engine = VllmEngine(settings.engine)  # refuses an unsupported vLLM before starting anything
     await engine.start()
+    try:  # before the agent dials the scheduler: a worker that fails them is never seen there
+        await require_self_checks(engine)
+    except BaseException:
+        await engine.shutdown()
+        raise
     store = open_store(store_settings, resilient=True) if store_settings.url else None
     agent = WorkerAgent(settings, engine, store)
     http = None

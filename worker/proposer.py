@@ -25,7 +25,7 @@ import numpy as np
 
 from bubblespec.worker.draft_index import Candidate, DraftLength, RequestDrafter
 
-__all__ = ["BubbleSpecProposer", "BubbleSpecWorkerExtension", "install_cpu_sampler_fix"]
+__all__ = ["BubbleSpecProposer", "BubbleSpecWorkerExtension", "check_expand_batch_to_tokens", "install_cpu_sampler_fix"]
 
 logger = logging.getLogger(__name__)
 EXTRA_KEY = "bubblespec"
@@ -49,7 +49,32 @@ def install_cpu_sampler_fix() -> None:
             [out, out.new_zeros(num_tokens - out.numel())]
         )
 
+    expand_batch_to_tokens.bubblespec_fix = True  # type: ignore[attr-defined]  # what the self-check looks for
     rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+
+
+def check_expand_batch_to_tokens(device: str = "cpu") -> dict:
+    """Run vLLM's ``rejection_sampler.expand_batch_to_tokens`` (whatever is installed under
+    that name now: ours or vLLM's) on float per-request parameters and report whether they
+    survive: temperatures [0.7, <greedy>, 1.3] over [2, 1, 3] draft tokens must expand to
+    [0.7, 0.7, 1, 1.3, 1.3, 1.3] (greedy rows become 1, as vLLM asks for). Runs where it is
+    called: inside an engine's worker process through ``bubblespec_check_sampler``."""
+    import torch
+    from vllm.v1.sample import rejection_sampler
+
+    fn = rejection_sampler.expand_batch_to_tokens
+    greedy = float(getattr(rejection_sampler, "GREEDY_TEMPERATURE", 0))
+    x = torch.tensor([0.7, greedy, 1.3], dtype=torch.float32, device=device)
+    cu = torch.tensor([2, 3, 6], dtype=torch.int32, device=device)
+    expected = [0.7, 0.7, 1.0, 1.3, 1.3, 1.3]
+    try:
+        got = [float(v) for v in fn(x, cu, 6, replace_from=greedy, replace_to=1).cpu()]
+        ok = all(abs(a - b) < 1e-6 for a, b in zip(got, expected, strict=True))
+        error = ""
+    except Exception as exc:  # noqa: BLE001 - an incompatible signature is a failed check, not a crash
+        got, ok, error = [], False, f"{type(exc).__name__}: {exc}"
+    return {"patched": bool(getattr(fn, "bubblespec_fix", False)), "ok": ok, "got": got,
+            "expected": expected, "error": error, "device": str(device)}
 
 
 class BubbleSpecProposer:
@@ -164,6 +189,17 @@ class BubbleSpecWorkerExtension:
             drafter.runner = self.model_runner  # type: ignore[attr-defined]
             return True
         return False
+
+    def bubblespec_check_sampler(self) -> dict:
+        """``check_expand_batch_to_tokens`` in this process, on this worker's device, plus
+        whether this engine asked for the CPU fix (``cpu_sampler_fix`` with a proposer)."""
+        runner = self.model_runner  # type: ignore[attr-defined]
+        device = runner.device
+        report = check_expand_batch_to_tokens(str(device))
+        extra = dict(runner.vllm_config.additional_config or {}).get(EXTRA_KEY, {})
+        report["fix_wanted"] = (device.type == "cpu" and isinstance(getattr(runner, "drafter", None), BubbleSpecProposer)
+                                and bool(extra.get("cpu_sampler_fix", True)))
+        return report
 
     def bubblespec_pop_stats(self, keys: list[str]) -> dict[str, dict]:
         drafter = getattr(self.model_runner, "drafter", None)  # type: ignore[attr-defined]

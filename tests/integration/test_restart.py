@@ -114,7 +114,9 @@ async def test_scheduler_sigkill_and_restart_with_default_settings(cluster, redi
             before = await sdk.generate("before-crash", prompts, GREEDY, policy_version=version, drafts=False)
             expected = [c.token_ids for c in before.completions]
             seen: list[int] = []
-            gen = asyncio.create_task(sdk.generate("crash", prompts, GREEDY, n=2, policy_version=version,
+            # drafts off: history drafts of "before-crash" (the same prompts) would finish the step
+            # in a blink, before the kill lands
+            gen = asyncio.create_task(sdk.generate("crash", prompts, GREEDY, n=2, policy_version=version, drafts=False,
                                                    on_progress=lambda done, total: seen.append(done)))
             await until(lambda: len(seen) >= 6 or gen.done(), what="six completions")
             sched.signal(signal.SIGKILL)  # mid-step, no goodbye: sockets reset, queued journal writes lost

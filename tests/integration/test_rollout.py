@@ -157,7 +157,10 @@ async def test_bad_input_is_refused_naming_the_field_and_changes_nothing(cluster
     kw = dict(prompts=[(5, 6, 7)], sampling=SamplingParams(temperature=0.0, max_tokens=8), n=1,
               policy_version=version(cluster))
     kw.update(override)
+    wire_n = kw.pop("n") if kw["n"] < 1 else None  # the SDK refuses it itself: put it on the wire by hand
     req = generate_request(f"bad-{abs(hash(name))}", kw.pop("prompts"), kw.pop("sampling"), **kw)
+    if wire_n is not None:
+        req.sampling.n = wire_n
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await raw_generate(cluster.target, req)
     expected = grpc.StatusCode.FAILED_PRECONDITION if field == "policy_version" else grpc.StatusCode.INVALID_ARGUMENT
