@@ -119,8 +119,11 @@ class Cluster:
         target = f"127.0.0.1:{self.scheduler.grpc_port}"
         cores = os.cpu_count() or 1
         self.engines = [VllmEngine(_on_core(self.engine_settings, i % cores)) for i in range(self.num_workers)]
-        await asyncio.gather(*(engine.start() for engine in self.engines))
-        try:  # before any agent says hello: an engine that fails them never joins
+        try:  # self-checks before any agent says hello: an engine that fails them never joins
+            started = await asyncio.gather(*(engine.start() for engine in self.engines), return_exceptions=True)
+            failed = next((r for r in started if isinstance(r, BaseException)), None)
+            if failed is not None:  # the engines that did start are shut down below
+                raise failed
             self.self_checked = list(await asyncio.gather(*(require_self_checks(e) for e in self.engines)))
         except BaseException:
             for engine in self.engines:
@@ -191,7 +194,7 @@ def bench(a: argparse.Namespace) -> None:
     main(a)
 
 
-def demo(a: argparse.Namespace) -> None:
+def demo(a: argparse.Namespace) -> int:
     from bubblespec.cli.demo import run_demo
 
     async def main() -> None:
@@ -207,4 +210,11 @@ def demo(a: argparse.Namespace) -> None:
         finally:
             await cluster.stop()
 
-    asyncio.run(main())
+    from bubblespec.worker.compat import UnsupportedVllm
+    from bubblespec.worker.selfcheck import SelfCheckFailed
+
+    try:
+        asyncio.run(main())
+    except (UnsupportedVllm, SelfCheckFailed) as exc:
+        return _refused("demo", exc)
+    return 0

