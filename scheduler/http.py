@@ -1,4 +1,5 @@
-"""HTTP side of the scheduler (FastAPI): health, readiness, status, metrics, UI.
+"""HTTP side of the scheduler (FastAPI): health, readiness, status, metrics, UI, and the
+OpenAI-compatible routes of ``openai_api``.
 
 ``/status`` and ``/ui`` need the trainer token when the scheduler has one (``auth.http_refusal``);
 ``/healthz``, ``/readyz`` and ``/metrics`` are open. ``/status`` sends the document that
@@ -20,7 +21,10 @@ __all__ = ["create_app"]
 
 
 def create_app(scheduler: Scheduler) -> FastAPI:
+    from bubblespec.scheduler.openai_api import create_router
+
     app = FastAPI(title="BubbleSpec scheduler", docs_url=None, redoc_url=None)
+    app.include_router(create_router(scheduler))  # /health, /v1/models, /v1/completions (docs/INTEGRATIONS.md)
 
     @app.get("/healthz")
     def healthz() -> dict:

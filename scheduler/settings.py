@@ -91,6 +91,17 @@ class SchedulerSettings:
     """Request-size limits."""
     core: CoreSettings = CoreSettings()
     """Scheduling-core tunables."""
+    served_model_name: str = ""
+    """Model id of the OpenAI-compatible routes (``/v1/models``; a ``/v1/completions`` request
+    naming another model gets 404). '' = the basename of ``tokenizer``, or "bubblespec"."""
+
+    def model_name(self) -> str:
+        """The served model name (``served_model_name`` or its default)."""
+        from pathlib import Path
+
+        path = Path(self.tokenizer.rstrip("/")) if self.tokenizer else None
+        default = "" if path is None else (path.parent.name if path.suffix == ".json" else path.name)
+        return self.served_model_name or default or "bubblespec"
 
     def open_apis(self) -> list[str]:
         """The gRPC APIs that take calls without a token."""

@@ -1,0 +1,269 @@
+"""OpenAI-compatible data plane on the scheduler's HTTP port: ``/health``, ``/v1/models``,
+``/v1/completions`` (vLLM 0.32's request and response shapes, for the subset in docs/INTEGRATIONS.md).
+
+Each completions call is one BubbleSpec step (id ``http-<uuid>``) at the scheduler's current
+policy version, validated by ``build_step`` like a gRPC Generate and run by
+``SchedulerService.run_step``: drafting, straggler watch and exactness apply, and concurrent
+calls are concurrent steps. A refused request is an OpenAI error ``{"error": {message, type,
+param, code}}`` naming the OpenAI parameter, and changes no state. ``logprobs`` is 0 or 1:
+BubbleSpec returns the sampled token's logprob only, not the top-k alternatives.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from functools import cache
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from bubblespec.client import _convert as cv
+from bubblespec.client.types import Prompt, SamplingParams, SchedulingPolicy
+from bubblespec.scheduler.core.types import InvalidRequest
+from bubblespec.scheduler.core.validate import build_step
+
+if TYPE_CHECKING:
+    from bubblespec.scheduler.server import Scheduler
+
+__all__ = ["create_router", "error", "openai_param", "parse_prompts", "parse_sampling"]
+
+_STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "ALREADY_EXISTS": 409, "NOT_FOUND": 404,
+           "UNAVAILABLE": 503, "CANCELLED": 499, "UNAUTHENTICATED": 401, "RESOURCE_EXHAUSTED": 413}
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "BadRequestError",
+          503: "ServiceUnavailableError"}
+# Fields of vLLM's CompletionRequest that BubbleSpec does not implement: refused unless left at
+# their default, so that no request is silently answered under other semantics than it asked for.
+_UNSUPPORTED = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),
+                "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+                "repetition_penalty": (None, 1, 1.0), "min_p": (None, 0, 0.0), "min_tokens": (None, 0),
+                "prompt_logprobs": (None,), "use_beam_search": (None, False), "guided_json": (None,),
+                "response_format": (None,), "structured_outputs": (None,), "prompt_embeds": (None,)}
+_DEFAULT_MAX_TOKENS = 16  # vLLM's CompletionRequest default
+
+
+def openai_param(field: str) -> str | None:
+    """The OpenAI parameter that a ``build_step`` field name stands for."""
+    if field.startswith("sampling."):
+        return field[len("sampling."):].split("[")[0]
+    if field.startswith("prompts"):
+        return "max_tokens" if field.endswith(".max_tokens") else "prompt"
+    return None if field in ("step_id", "workers", "request") else field
+
+
+def error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": _TYPES.get(status, "BadRequestError"), "param": param,
+                      "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def _refusal(exc: InvalidRequest) -> JSONResponse:
+    param = openai_param(exc.field)
+    message = str(exc) if param is None else f"{param}: {str(exc).split(': ', 1)[-1]}"
+    return error(_STATUS.get(exc.code, 500), message, param)
+
+
+def parse_prompts(raw: Any) -> list[Prompt]:
+    """``prompt`` as text, list of texts, token ids, or list of token-id lists."""
+    if isinstance(raw, str):
+        return [Prompt("p0", text=raw)]
+    if not isinstance(raw, list) or not raw:
+        raise InvalidRequest("prompt", "must be a string, a list of strings, a list of token ids or a list of lists")
+    if all(isinstance(x, str) for x in raw):
+        return [Prompt(f"p{i}", text=t) for i, t in enumerate(raw)]
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in raw):
+        return [Prompt("p0", token_ids=tuple(raw))]
+    if all(isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x) for x in raw):
+        return [Prompt(f"p{i}", token_ids=tuple(x)) for i, x in enumerate(raw)]
+    raise InvalidRequest("prompt", "must be a string, a list of strings, a list of token ids or a list of lists")
+
+
+def _stop(raw: Any) -> tuple[str, ...]:
+    if raw is None:
+        return ()
+    if isinstance(raw, str):
+        return (raw,)
+    if isinstance(raw, list):
+        return tuple(raw)
+    raise InvalidRequest("stop", "must be a string or a list of strings")
+
+
+def _ids(raw: Any) -> tuple:
+    if raw is None:
+        return ()
+    if isinstance(raw, list):
+        return tuple(raw)
+    raise InvalidRequest("stop_token_ids", "must be a list of token ids")
+
+
+def parse_sampling(body: dict, default_logprobs_mode: str) -> SamplingParams:
+    """vLLM's defaults: max_tokens 16, temperature 1, top_p 1, top_k off (0 or -1), n 1."""
+    for name, defaults in _UNSUPPORTED.items():
+        if body.get(name) not in defaults:
+            raise InvalidRequest(name, "is not supported by BubbleSpec (docs/INTEGRATIONS.md)")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= 1):
+        raise InvalidRequest("logprobs", f"must be 0 or 1 (BubbleSpec returns the sampled token's logprob only, "
+                                         f"not top-k alternatives), got {logprobs!r:.40}")
+    top_k = body.get("top_k")
+    pick = (lambda name, default: default if body.get(name) is None else body[name])
+    return SamplingParams(
+        temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=-1 if top_k in (None, 0) else top_k,
+        max_tokens=pick("max_tokens", _DEFAULT_MAX_TOKENS), stop=_stop(body.get("stop")),
+        stop_token_ids=_ids(body.get("stop_token_ids")), seed=body.get("seed"), n=pick("n", 1),
+        ignore_eos=bool(body.get("ignore_eos", False)), logprobs_mode=default_logprobs_mode)
+
+
+@cache
+def _decoder(path: str):
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    p = Path(path)
+    return Tokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p))
+
+
+def _logprobs(ids, lps, decode) -> dict:
+    """vLLM's completion logprobs layout, the sampled token only in ``top_logprobs``."""
+    tokens = [decode(t) for t in ids]
+    offsets, at = [], 0
+    for tok in tokens:
+        offsets.append(at)
+        at += len(tok)
+    token_lps = [max(float(lp), -9999.0) for lp in lps]
+    return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens,
+            "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, token_lps)]}
+
+
+def _choice(c, index: int, spec, body: dict, decode) -> dict:
+    prompt_ids = spec.prompts[int(c.prompt_id[1:])].token_ids
+    choice = {"index": index, "text": c.text, "finish_reason": c.finish_reason.value, "stop_reason": None,
+              "logprobs": None if body.get("logprobs") is None else _logprobs(c.token_ids, c.logprobs, decode)}
+    if body.get("return_token_ids"):
+        choice["prompt_token_ids"] = list(prompt_ids)
+        choice["token_ids"] = list(c.token_ids)
+    return choice
+
+
+class _Completions:
+    """One ``/v1/completions`` call: parse, build the step, run it, shape the answer."""
+
+    def __init__(self, scheduler: Scheduler, body: dict):
+        self.scheduler, self.body = scheduler, body
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = scheduler.settings.model_name()
+        tok = scheduler.settings.tokenizer
+        self.decode = (lambda t: _decoder(tok).decode([t], skip_special_tokens=False)) if tok \
+            else (lambda t: f"token_id:{t}")
+
+    def build(self):
+        s, service = self.scheduler.settings, self.scheduler.service
+        if service.core.limits is None:
+            raise InvalidRequest("workers", "no worker has connected yet", "UNAVAILABLE")
+        return build_step(
+            step_id=f"http-{uuid.uuid4().hex}", policy_version=service.core.version,
+            prompts=parse_prompts(self.body.get("prompt")),
+            sampling=parse_sampling(self.body, s.default_logprobs_mode),
+            policy=SchedulingPolicy(s.default_policy), limits=s.limits, model=service.core.limits,
+            tokenize=service.tokenize)
+
+    async def completions(self, spec):
+        """(index, choice, completion) per finished choice, in the order they finish."""
+        n = spec.sampling.n
+        async for msg in self.scheduler.service.run_step(spec):
+            if msg.WhichOneof("event") == "completion":
+                c = cv.completion_from_pb(msg.completion)
+                index = int(c.prompt_id[1:]) * n + c.sample_index
+                yield index, _choice(c, index, spec, self.body, self.decode), c
+
+    def envelope(self, choices: list, usage: dict | None) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage}
+
+    async def whole(self, spec) -> dict:
+        found = {index: (choice, c) async for index, choice, c in self.completions(spec)}
+        choices = [found[i][0] for i in sorted(found)]
+        return self.envelope(choices, _usage(spec, [c for _, c in found.values()]))
+
+    async def stream(self, spec):
+        done = []
+        try:
+            async for _, choice, c in self.completions(spec):
+                done.append(c)
+                yield f"data: {json.dumps(self.envelope([choice], None))}\n\n"
+            options = self.body.get("stream_options") or {}
+            if isinstance(options, dict) and options.get("include_usage"):
+                yield f"data: {json.dumps(self.envelope([], _usage(spec, done)))}\n\n"
+        except InvalidRequest as exc:
+            yield f"data: {_refusal(exc).body.decode()}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+def _usage(spec, completions) -> dict:
+    prompt = sum(len(p.token_ids) for p in spec.prompts)
+    generated = sum(len(c.token_ids) for c in completions)
+    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
+
+
+async def _read_json(request: Request, limit: int) -> dict:
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise InvalidRequest("request", f"body is over {limit} bytes", "RESOURCE_EXHAUSTED")
+    try:
+        parsed = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest("request", f"body is not valid JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise InvalidRequest("request", "body must be a JSON object")
+    return parsed
+
+
+def create_router(scheduler: Scheduler) -> APIRouter:
+    router = APIRouter()
+
+    def refused(request: Request) -> Response | None:
+        from bubblespec.scheduler.auth import http_refusal
+
+        refusal = http_refusal(request.headers.get("authorization"), None, scheduler.settings.trainer_token)
+        if refusal is None:
+            return None
+        return error(401, refusal[1].split(" (")[0], None)  # vLLM answers 401 for a missing or a wrong key
+
+    @router.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if scheduler.ready else 503)
+
+    @router.get("/v1/models")
+    async def models(request: Request) -> Response:
+        if (refusal := refused(request)) is not None:
+            return refusal
+        limits = scheduler.service.core.limits
+        card = {"id": scheduler.settings.model_name(), "object": "model", "created": int(time.time()),
+                "owned_by": "bubblespec", "root": scheduler.settings.tokenizer or None, "parent": None,
+                "max_model_len": None if limits is None else limits.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @router.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        if (refusal := refused(request)) is not None:
+            return refusal
+        try:
+            body = await _read_json(request, scheduler.settings.limits.max_request_bytes)
+            call = _Completions(scheduler, body)
+            if body.get("model") and body.get("model") != call.model:  # vLLM: no model = the served one
+                return error(404, f"The model `{body.get('model')}` does not exist.", "model")
+            spec = call.build()
+            if body.get("stream"):
+                return StreamingResponse(call.stream(spec), media_type="text/event-stream")
+            return JSONResponse(await call.whole(spec))
+        except InvalidRequest as exc:
+            return _refusal(exc)
+
+    return router
+
