@@ -488,11 +488,15 @@ async def requeued_and_rerun(env: Env, held: Held, before: dict, after: dict) ->
     step = env.core.steps[held.step]
     assert after["completions"] == before["completions"] and after["delivered"] == before["delivered"]
     assert step.requeued == before["steps"][held.step][2] + 1
-    again = [w.worker_id for w in (env.a, env.b, env.fresh) for m in w.received
-             if m.WhichOneof("kind") == "assign" and m.assign.request_key == held.ka]
-    assert len(again) == 2, "the request was assigned again"
+
+    def assigned() -> list[str]:
+        return [w.worker_id for w in (env.a, env.b, env.fresh) for m in w.received
+                if m.WhichOneof("kind") == "assign" and m.assign.request_key == held.ka]
+
+    # the new assignment goes to another worker's stream: wait for it there (syncing fw-a is not enough)
+    await wait_until(lambda: len(assigned()) == 2, timeout=10.0, what="the request assigned again")
     assert step.requests[held.ka].failures[-1][0] == "fw-a", "a failed attempt of fw-a"
-    assert again.count("fw-a") == 1, "a failed request goes to another worker while one can run it"
+    assert assigned().count("fw-a") == 1, "a failed request goes to another worker while one can run it"
 
 
 
