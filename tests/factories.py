@@ -11,7 +11,7 @@ from bubblespec.api.v1 import rollout_pb2_grpc as pbg
 from bubblespec.client._base import make_generate_request
 from bubblespec.client.types import SamplingParams
 
-__all__ = ["GREEDY", "prompt_ids", "raw_generate", "token_prompts"]
+__all__ = ["GREEDY", "call_client", "prompt_ids", "raw_generate", "token_prompts"]
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
 
@@ -34,3 +34,20 @@ async def raw_generate(target: str, request: pb.GenerateRequest, timeout: float 
 
 def generate_request(step: str, prompts, sampling: SamplingParams = GREEDY, **kw) -> pb.GenerateRequest:
     return make_generate_request(step, kw.pop("policy_version", 0), prompts, sampling, **kw)
+
+
+def call_client(kind: str, settings, method: str, *args, **kwargs):
+    """Run ``method`` on the sync client (``kind="sync"``) or on its async twin: same arguments, same result."""
+    import asyncio
+
+    from bubblespec.client import AsyncRolloutClient, RolloutClient
+
+    if kind == "sync":
+        with RolloutClient(settings=settings) as client:
+            return getattr(client, method)(*args, **kwargs)
+
+    async def run():
+        async with AsyncRolloutClient(settings=settings) as client:
+            return await getattr(client, method)(*args, **kwargs)
+
+    return asyncio.run(run())

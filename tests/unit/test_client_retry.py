@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from concurrent import futures
 
@@ -10,9 +9,10 @@ import grpc
 import pytest
 
 from bubblespec.api.v1 import rollout_pb2 as pb
+from tests.factories import call_client
 from bubblespec.api.v1 import rollout_pb2_grpc as pbg
 from bubblespec.client import (
-    AsyncRolloutClient, ClientSettings, ResourceExhausted, Retry, RolloutClient, SamplingParams,
+    ClientSettings, ResourceExhausted, Retry, SamplingParams,
 )
 
 
@@ -79,16 +79,7 @@ def flaky():
     srv.stop(0)
 
 
-def call(kind: str, settings: ClientSettings, method: str, *args, **kwargs):
-    if kind == "sync":
-        with RolloutClient(settings=settings) as client:
-            return getattr(client, method)(*args, **kwargs)
-
-    async def run():
-        async with AsyncRolloutClient(settings=settings) as client:
-            return await getattr(client, method)(*args, **kwargs)
-
-    return asyncio.run(run())
+call = call_client
 
 
 TWINS = pytest.mark.parametrize("kind", ["sync", "async"])

@@ -7,7 +7,6 @@ client must return every completion exactly once, in order, and report progress.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 from concurrent import futures
@@ -16,9 +15,10 @@ import grpc
 import pytest
 
 from bubblespec.api.v1 import rollout_pb2 as pb
+from tests.factories import call_client
 from bubblespec.api.v1 import rollout_pb2_grpc as pbg
 from bubblespec.client import (
-    AsyncRolloutClient, ClientSettings, InvalidArgument, Retry, RolloutClient, SamplingParams, ServiceUnavailable,
+    ClientSettings, InvalidArgument, Retry, SamplingParams, ServiceUnavailable,
 )
 
 
@@ -70,15 +70,7 @@ def call(kind: str, target: str, method: str, *args, **kwargs):
     """Run ``method`` on the sync client or on the async twin; same arguments, same result."""
     settings = ClientSettings(target=target, token="t0ken", retry=Retry(attempts=3, initial_seconds=0.01),
                               timeout_seconds=5, step_timeout_seconds=5)
-    if kind == "sync":
-        with RolloutClient(settings=settings) as client:
-            return getattr(client, method)(*args, **kwargs)
-
-    async def run():
-        async with AsyncRolloutClient(settings=settings) as client:
-            return await getattr(client, method)(*args, **kwargs)
-
-    return asyncio.run(run())
+    return call_client(kind, settings, method, *args, **kwargs)
 
 
 TWINS = pytest.mark.parametrize("kind", ["sync", "async"])
