@@ -31,7 +31,8 @@ def _scheduler_settings(a: argparse.Namespace, **over) -> SchedulerSettings:
                   default_logprobs_mode=a.default_logprobs_mode,
                   redis_tls_ca_file=a.redis_tls_ca_file, orphan_grace_seconds=a.orphan_grace_seconds,
                   journal_redis_url=a.journal_redis_url, journal_secret=a.journal_secret,
-                  journal_finished_ttl_seconds=a.journal_finished_ttl_seconds)
+                  journal_finished_ttl_seconds=a.journal_finished_ttl_seconds,
+                  weight_transfer_backend=getattr(a, "weight_transfer_backend", "") or None)
     fields.update(over)
     return SchedulerSettings(**fields)
 
@@ -41,7 +42,8 @@ def _engine_settings(a: argparse.Namespace) -> EngineSettings:
                           num_speculative_tokens=a.num_speculative_tokens,
                           tensor_parallel_size=a.tensor_parallel_size, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
                           dtype=a.dtype, logprobs_mode=a.logprobs_mode,
-                          allow_unsupported_vllm=a.allow_unsupported_vllm, self_checks=not a.unsafe_skip_self_checks)
+                          allow_unsupported_vllm=a.allow_unsupported_vllm, self_checks=not a.unsafe_skip_self_checks,
+                          weight_transfer_backend=a.weight_transfer_backend or None)
 
 
 def ensure_tiny_model(path: Path = TINY_MODEL_DIR) -> str:

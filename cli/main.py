@@ -66,6 +66,12 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
          "(exactness UNVERIFIED; logged loudly)")
     _add(p, "unsafe-skip-self-checks", False, "UNSAFE: skip the start-up self-checks (drafts, CPU sampler fix, "
          "weight reload) that run before a worker joins the scheduler")
+    _transfer_flag(p)
+
+
+def _transfer_flag(p: argparse.ArgumentParser) -> None:
+    _add(p, "weight-transfer-backend", "", "vLLM weight-transfer backend for trainer-pushed weights, e.g. nccl "
+         "(GPUs; '' = off; docs/INTEGRATIONS.md)")
 
 
 def _worker_flags(p: argparse.ArgumentParser) -> None:
@@ -88,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bubblespec", description=__doc__)
     _add(parser, "log-level", "INFO", "logging level")
     sub = parser.add_subparsers(dest="command", required=True)
-    _scheduler_flags(sub.add_parser("scheduler", help="run the scheduler"))
+    sched = sub.add_parser("scheduler", help="run the scheduler")
+    _scheduler_flags(sched)
+    _transfer_flag(sched)
     _worker_flags(sub.add_parser("worker", help="run one vLLM worker that dials the scheduler"))
     up = sub.add_parser("up", help="scheduler + N vLLM workers + in-process draft store on this machine")
     _add(up, "workers", 2, "number of vLLM workers")

@@ -1,5 +1,5 @@
 """HTTP side of the scheduler (FastAPI): health, readiness, status, metrics, UI, and the
-OpenAI-compatible routes of ``openai_api``.
+OpenAI-compatible routes of ``openai_api`` and the vLLM-compatible RL control routes of ``rl_api``.
 
 ``/status`` and ``/ui`` need the trainer token when the scheduler has one (``auth.http_refusal``);
 ``/healthz``, ``/readyz`` and ``/metrics`` are open. ``/status`` sends the document that
@@ -25,6 +25,13 @@ def create_app(scheduler: Scheduler) -> FastAPI:
 
     app = FastAPI(title="BubbleSpec scheduler", docs_url=None, redoc_url=None)
     app.include_router(create_router(scheduler))  # /health, /v1/models, /v1/completions (docs/INTEGRATIONS.md)
+    from bubblespec.scheduler.rl_api import create_router as create_rl_router
+
+    app.include_router(create_rl_router(scheduler))  # /pause, /resume, /update_weights, ... (docs/INTEGRATIONS.md)
+    from bubblespec.scheduler.weight_transfer import create_router as create_transfer_router
+
+    # /init_weight_transfer_engine, /start_weight_update, /finish_weight_update, /reset_prefix_cache
+    app.include_router(create_transfer_router(scheduler))
 
     @app.get("/healthz")
     def healthz() -> dict:

@@ -1,7 +1,8 @@
 """OpenAI-compatible data plane on the scheduler's HTTP port: ``/health``, ``/v1/models``,
-``/v1/completions`` (vLLM 0.32's request and response shapes, for the subset in docs/INTEGRATIONS.md).
+``/v1/completions`` and ``/v1/chat/completions`` (``openai_chat``) with vLLM 0.32's request and
+response shapes, for the subset in docs/INTEGRATIONS.md.
 
-Each completions call is one BubbleSpec step (id ``http-<uuid>``) at the scheduler's current
+Each completions or chat call is one BubbleSpec step (id ``http-<uuid>``) at the scheduler's current
 policy version, validated by ``build_step`` like a gRPC Generate and run by
 ``SchedulerService.run_step``: drafting, straggler watch and exactness apply, and concurrent
 calls are concurrent steps. A refused request is an OpenAI error ``{"error": {message, type,
@@ -22,7 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from bubblespec.client import _convert as cv
 from bubblespec.client.types import Prompt, SamplingParams, SchedulingPolicy
-from bubblespec.scheduler.core.types import InvalidRequest
+from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits
 from bubblespec.scheduler.core.validate import build_step
 
 if TYPE_CHECKING:
@@ -59,8 +60,10 @@ def error(status: int, message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
-def _refusal(exc: InvalidRequest) -> JSONResponse:
+def _refusal(exc: InvalidRequest, rename: dict[str, str] | None = None) -> JSONResponse:
+    """The OpenAI error for ``exc``; ``rename`` maps ``openai_param`` names to the route's own."""
     param = openai_param(exc.field)
+    param = (rename or {}).get(param, param)
     message = str(exc) if param is None else f"{param}: {str(exc).split(': ', 1)[-1]}"
     return error(_STATUS.get(exc.code, 500), message, param)
 
@@ -98,9 +101,10 @@ def _ids(raw: Any) -> tuple:
     raise InvalidRequest("stop_token_ids", "must be a list of token ids")
 
 
-def parse_sampling(body: dict, default_logprobs_mode: str) -> SamplingParams:
-    """vLLM's defaults: max_tokens 16, temperature 1, top_p 1, top_k off (0 or -1), n 1."""
-    for name, defaults in _UNSUPPORTED.items():
+def parse_sampling(body: dict, default_logprobs_mode: str, unsupported: dict = _UNSUPPORTED) -> SamplingParams:
+    """vLLM's defaults: max_tokens 16, temperature 1, top_p 1, top_k off (0 or -1), n 1. Fields of
+    ``unsupported`` are refused unless at one of their defaults."""
+    for name, defaults in unsupported.items():
         if body.get(name) not in defaults:
             raise InvalidRequest(name, "is not supported by BubbleSpec (docs/INTEGRATIONS.md)")
     logprobs = body.get("logprobs")
@@ -138,38 +142,58 @@ def _logprobs(ids, lps, decode) -> dict:
             "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, token_lps)]}
 
 
-def _choice(c, index: int, spec, body: dict, decode) -> dict:
+def _choice(c, index: int, spec, body: dict, token) -> dict:
     prompt_ids = spec.prompts[int(c.prompt_id[1:])].token_ids
     choice = {"index": index, "text": c.text, "finish_reason": c.finish_reason.value, "stop_reason": None,
-              "logprobs": None if body.get("logprobs") is None else _logprobs(c.token_ids, c.logprobs, decode)}
+              "logprobs": None if body.get("logprobs") is None else _logprobs(c.token_ids, c.logprobs, token)}
     if body.get("return_token_ids"):
         choice["prompt_token_ids"] = list(prompt_ids)
         choice["token_ids"] = list(c.token_ids)
     return choice
 
 
+def _sse(chunk: dict) -> str:
+    return f"data: {json.dumps(chunk)}\n\n"
+
+
 class _Completions:
-    """One ``/v1/completions`` call: parse, build the step, run it, shape the answer."""
+    """One ``/v1/completions`` call: parse, build the step, run it, shape the answer. The chat
+    route (``openai_chat.ChatCompletions``) reuses it, overriding the parsing and shaping hooks
+    (``prompts``, ``sampling``, ``choice``, ``envelope``, ``opening``, ``chunk``, ``usage_chunk``)."""
+
+    ID_PREFIX = "cmpl"
 
     def __init__(self, scheduler: Scheduler, body: dict):
         self.scheduler, self.body = scheduler, body
-        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.id = f"{self.ID_PREFIX}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = scheduler.settings.model_name()
+        self.rename: dict[str, str] = {}  # openai_param names -> this route's parameter names
         tok = scheduler.settings.tokenizer
-        self.decode = (lambda t: _decoder(tok).decode([t], skip_special_tokens=False)) if tok \
-            else (lambda t: f"token_id:{t}")
+        self.text = (lambda t: _decoder(tok).decode([t], skip_special_tokens=False)) if tok else None
+        as_ids = body.get("return_tokens_as_token_ids") or self.text is None
+        self.token = (lambda t: f"token_id:{t}") if as_ids else self.text  # vLLM's logprobs token strings
+
+    def prompts(self) -> list[Prompt]:
+        return parse_prompts(self.body.get("prompt"))
+
+    def sampling(self, model: ModelLimits) -> SamplingParams:
+        return parse_sampling(self.body, self.scheduler.settings.default_logprobs_mode)
 
     def build(self):
         s, service = self.scheduler.settings, self.scheduler.service
         if service.core.limits is None:
             raise InvalidRequest("workers", "no worker has connected yet", "UNAVAILABLE")
+        if self.body.get("return_tokens_as_token_ids") not in (None, True, False):
+            raise InvalidRequest("return_tokens_as_token_ids", "must be a boolean")
+        prompts = self.prompts()
         return build_step(
-            step_id=f"http-{uuid.uuid4().hex}", policy_version=service.core.version,
-            prompts=parse_prompts(self.body.get("prompt")),
-            sampling=parse_sampling(self.body, s.default_logprobs_mode),
-            policy=SchedulingPolicy(s.default_policy), limits=s.limits, model=service.core.limits,
-            tokenize=service.tokenize)
+            step_id=f"http-{uuid.uuid4().hex}", policy_version=service.core.version, prompts=prompts,
+            sampling=self.sampling(service.core.limits), policy=SchedulingPolicy(s.default_policy),
+            limits=s.limits, model=service.core.limits, tokenize=service.tokenize)
+
+    def choice(self, c, index: int, spec) -> dict:
+        return _choice(c, index, spec, self.body, self.token)
 
     async def completions(self, spec):
         """(index, choice, completion) per finished choice, in the order they finish."""
@@ -178,11 +202,21 @@ class _Completions:
             if msg.WhichOneof("event") == "completion":
                 c = cv.completion_from_pb(msg.completion)
                 index = int(c.prompt_id[1:]) * n + c.sample_index
-                yield index, _choice(c, index, spec, self.body, self.decode), c
+                yield index, self.choice(c, index, spec), c
 
     def envelope(self, choices: list, usage: dict | None) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage}
+
+    def opening(self, spec) -> list[dict]:
+        """Chunks streamed before the first finished choice."""
+        return []
+
+    def chunk(self, choice: dict) -> dict:
+        return self.envelope([choice], None)
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return self.envelope([], usage)
 
     async def whole(self, spec) -> dict:
         found = {index: (choice, c) async for index, choice, c in self.completions(spec)}
@@ -193,13 +227,16 @@ class _Completions:
         done = []
         try:
             async for _, choice, c in self.completions(spec):
+                if not done:
+                    for chunk in self.opening(spec):
+                        yield _sse(chunk)
                 done.append(c)
-                yield f"data: {json.dumps(self.envelope([choice], None))}\n\n"
+                yield _sse(self.chunk(choice))
             options = self.body.get("stream_options") or {}
             if isinstance(options, dict) and options.get("include_usage"):
-                yield f"data: {json.dumps(self.envelope([], _usage(spec, done)))}\n\n"
+                yield _sse(self.usage_chunk(_usage(spec, done)))
         except InvalidRequest as exc:
-            yield f"data: {_refusal(exc).body.decode()}\n\n"
+            yield f"data: {_refusal(exc, self.rename).body.decode()}\n\n"
         yield "data: [DONE]\n\n"
 
 
@@ -253,17 +290,32 @@ def create_router(scheduler: Scheduler) -> APIRouter:
     async def completions(request: Request) -> Response:
         if (refusal := refused(request)) is not None:
             return refusal
-        try:
-            body = await _read_json(request, scheduler.settings.limits.max_request_bytes)
-            call = _Completions(scheduler, body)
-            if body.get("model") and body.get("model") != call.model:  # vLLM: no model = the served one
-                return error(404, f"The model `{body.get('model')}` does not exist.", "model")
-            spec = call.build()
-            if body.get("stream"):
-                return StreamingResponse(call.stream(spec), media_type="text/event-stream")
-            return JSONResponse(await call.whole(spec))
-        except InvalidRequest as exc:
-            return _refusal(exc)
+        return await _serve(scheduler, request, _Completions)
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        from bubblespec.scheduler.openai_chat import ChatCompletions
+
+        if (refusal := refused(request)) is not None:
+            return refusal
+        return await _serve(scheduler, request, ChatCompletions)
 
     return router
 
+
+async def _serve(scheduler: Scheduler, request: Request, kind: type[_Completions]) -> Response:
+    """One completions or chat call: read, check the model, build the step, answer or stream."""
+    rename: dict[str, str] = {}
+    try:
+        body = await _read_json(request, scheduler.settings.limits.max_request_bytes)
+        call = kind(scheduler, body)
+        rename = call.rename
+        if body.get("model") and body.get("model") != call.model:  # vLLM: no model = the served one
+            return error(404, f"The model `{body.get('model')}` does not exist.", "model")
+        spec = call.build()
+        if body.get("stream"):  # refusals (paused, version loading) must come before the 200 of a stream
+            scheduler.service.core.check_step(spec)
+            return StreamingResponse(call.stream(spec), media_type="text/event-stream")
+        return JSONResponse(await call.whole(spec))
+    except InvalidRequest as exc:
+        return _refusal(exc, rename)

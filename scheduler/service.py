@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.client import _convert as cv
 from bubblespec.client.types import Completion, SamplingParams
+from bubblespec.scheduler.control import ControlCalls
 from bubblespec.scheduler.core.checks import check_completion, check_replayed
 from bubblespec.scheduler.core.state import SchedulerCore, request_key
+from bubblespec.scheduler.core.transfer import WeightTransfer
 from bubblespec.scheduler.core.types import (
     Abort, Action, Assign, Deliver, Disconnect, InvalidRequest, LoadPolicy, PolicyFailed, PolicyReady, StartDraft, StepFailed,
     StepFinished, StepSpec, StopDraft, WorkerHello,
@@ -57,6 +59,9 @@ class SchedulerService:
         self.listeners: list[Callable[[Action], None]] = []  # metrics exporter, persistence
         self.load_listeners: list[Callable[[str, int, bool, float], None]] = []  # (worker, version, ok, seconds)
         self.draining = False
+        self._resumed: list[asyncio.Future] = []  # pause(wait) calls in progress: a resume ends them
+        self.control = ControlCalls(self._send)  # engine control calls fanned out to workers (control.py)
+        self.transfer = WeightTransfer(core)  # vLLM's weight-transfer group (core/transfer.py)
 
     # --------------------------------------------------------------- actions --
 
@@ -86,6 +91,7 @@ class SchedulerService:
                     if link is not None:
                         logger.warning("worker %s disconnected: %s", worker_id, reason)
                         link.close()
+                        self.control.lost(worker_id, f"disconnected before answering: {reason}")
                 case Deliver(step_id, completion):
                     if self.journal is not None:
                         key = request_key(step_id, completion.prompt_id, completion.sample_index)
@@ -123,10 +129,11 @@ class SchedulerService:
                     fut.set_result(outcome)
         self.barriers = [(v, f) for v, f in self.barriers if not f.done()]
 
-    def _send(self, worker_id: str, msg: pb.SchedulerMessage) -> None:
+    def _send(self, worker_id: str, msg: pb.SchedulerMessage) -> bool:
         link = self.links.get(worker_id)
         if link is not None:
             link.send(msg)
+        return link is not None
 
     def _publish(self, step_id: str, msg: object) -> None:
         for queue in self.subscribers.get(step_id, []):
@@ -233,12 +240,43 @@ class SchedulerService:
         self.execute(self.core.cancel_step(step_id))
         return pending
 
+    async def pause(self, mode: str) -> bool:
+        """vLLM's ``/pause`` (``core/pause.py``): new steps are refused from now on; ``abort``
+        cancels the active steps, ``keep`` holds them, ``wait`` returns once every active step
+        not held has ended. False when a ``/resume`` came first (the pause is over)."""
+        self.execute(self.core.pauser.pause(mode))
+        loop = asyncio.get_running_loop()
+        while mode == "wait" and self.core.pauser.paused and self.core.pauser.waiting():
+            ended = loop.create_future()
+
+            def wake(action, ended=ended) -> None:
+                if isinstance(action, (StepFinished, StepFailed)) and not ended.done():
+                    ended.set_result(None)
+
+            self.listeners.append(wake)
+            self._resumed.append(ended)
+            try:
+                await ended
+            finally:
+                self.listeners.remove(wake)
+                self._resumed.remove(ended)
+        return self.core.pauser.paused
+
+    def resume(self) -> None:
+        """vLLM's ``/resume``: held steps run again (at the current policy version), new steps
+        are taken. Idempotent."""
+        self.execute(self.core.pauser.resume())
+        for ended in self._resumed:  # a pause still waiting is over
+            if not ended.done():
+                ended.set_result(None)
+
     # ---------------------------------------------------------------- workers --
 
     def attach_worker(self, hello: WorkerHello) -> WorkerLink:
         old = self.links.pop(hello.worker_id, None)
         if old is not None:  # a reconnect supersedes the old stream
             old.close()
+            self.control.lost(hello.worker_id, "reconnected before answering (its stream was replaced)")
             self.execute(self.core.remove_worker(hello.worker_id, "the worker reconnected while running it"))
         actions = self.core.add_worker(hello)
         link = WorkerLink(hello.worker_id)
@@ -250,6 +288,7 @@ class SchedulerService:
     def detach_worker(self, link: WorkerLink) -> None:
         if self.links.get(link.worker_id) is link:
             del self.links[link.worker_id]
+            self.control.lost(link.worker_id, "its stream ended before it answered")
             self.execute(self.core.remove_worker(link.worker_id, "the worker's stream ended while running it"))
             logger.info("worker %s left", link.worker_id)
 
@@ -293,6 +332,8 @@ class SchedulerService:
             for listener in self.load_listeners:
                 listener(worker_id, m.version, m.ok, m.seconds)
             self.execute(core.on_policy_loaded(worker_id, m.version, m.ok, m.error, m.weights_unknown))
+        elif kind == "control_result":
+            self.control.answer(worker_id, msg.control_result)
         elif kind == "draft_result":
             self.execute(core.on_draft_result(worker_id, msg.draft_result.job_id, msg.draft_result.tokens,
                                               msg.draft_result.finished))

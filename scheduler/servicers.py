@@ -23,6 +23,8 @@ from bubblespec.scheduler.status_view import StatusView
 __all__ = ["RolloutServicer", "WorkerLinkServicer"]
 
 logger = logging.getLogger(__name__)
+MAX_TENSOR_PARALLEL = 4096
+"""Largest ``hello.tensor_parallel_size`` accepted (ranks of one engine)."""
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: InvalidRequest) -> None:
@@ -122,9 +124,12 @@ class WorkerLinkServicer(pbg.WorkerLinkServicer):
             h = first.hello
             check_id(h.worker_id, "hello.worker_id")
             self._check_message_bound(h.max_model_len)
+            if not 0 <= h.tensor_parallel_size <= MAX_TENSOR_PARALLEL:
+                raise InvalidRequest("hello.tensor_parallel_size", f"must be in [0, {MAX_TENSOR_PARALLEL}] (0 = 1), "
+                                     f"got {h.tensor_parallel_size}")
             link = self.service.attach_worker(WorkerHello(
                 h.worker_id, h.capacity, h.policy_version, ModelLimits(h.max_model_len, h.vocab_size), h.speculation,
-                h.logprobs_mode or "processed"))
+                h.logprobs_mode or "processed", model=h.model, tensor_parallel_size=max(1, h.tensor_parallel_size)))
         except InvalidRequest as exc:
             await _abort(context, exc)
             return

@@ -94,6 +94,16 @@ class SchedulerSettings:
     served_model_name: str = ""
     """Model id of the OpenAI-compatible routes (``/v1/models``; a ``/v1/completions`` request
     naming another model gets 404). '' = the basename of ``tokenizer``, or "bubblespec"."""
+    weight_transfer_backend: str | None = None
+    """vLLM's weight-transfer backend for the trainer-pushed weight routes
+    (``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights {update_info}``,
+    ``/finish_weight_update``), fanned out to every worker (docs/INTEGRATIONS.md, "Weight transfer
+    (NCCL)"); ``/server_info`` reports it as ``weight_transfer_config`` ``{"backend": ...}``.
+    None = off: those routes answer 400. The workers' engines need the same backend
+    (``EngineSettings.weight_transfer_backend``) and GPUs for ``nccl``."""
+    weight_transfer_timeout_seconds: float = 600.0
+    """How long one weight-transfer call (or ``/reset_prefix_cache``) waits for every worker's
+    answer; a worker still silent then is named in the error and counts as failed."""
 
     def model_name(self) -> str:
         """The served model name (``served_model_name`` or its default)."""

@@ -9,6 +9,7 @@ Completions are written back as history drafts and length history; draft jobs wr
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import socket
@@ -30,6 +31,12 @@ from bubblespec.worker.engine import Engine, EngineRequest, EngineSettings
 __all__ = ["WorkerAgent", "WorkerSettings", "stop_agents"]
 
 logger = logging.getLogger(__name__)
+_CONTROL_OPS = {pb.CONTROL_OP_INIT_WEIGHT_TRANSFER: "init_weight_transfer",  # -> Engine.control's op
+                pb.CONTROL_OP_START_WEIGHT_UPDATE: "start_weight_update",
+                pb.CONTROL_OP_UPDATE_WEIGHTS: "update_weights",
+                pb.CONTROL_OP_FINISH_WEIGHT_UPDATE: "finish_weight_update",
+                pb.CONTROL_OP_RESET_PREFIX_CACHE: "reset_prefix_cache"}
+_TRANSFERRED = "weight-transfer:"  # weights path of a version a trainer pushed by weight transfer: no directory
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,8 @@ class WorkerAgent:
         self.draft_tokens: dict[str, int] = {}  # running draft job id -> tokens generated so far
         self.connected = asyncio.Event()
         self.failed: Exception | None = None  # set when the engine died: run() raises it
+        self._controls: set[asyncio.Task] = set()  # engine control calls, run one at a time in arrival order
+        self._control_lock = asyncio.Lock()
         self._stopping = False
 
     # ------------------------------------------------------------ connection --
@@ -136,6 +145,9 @@ class WorkerAgent:
         self._stopping = True
         self.outbox.put_nowait(None)
         await self._drop_all()
+        for task in list(self._controls):
+            task.cancel()
+        await asyncio.gather(*self._controls, return_exceptions=True)
 
     def _check_engine(self) -> None:
         """After a failed request: if the engine itself is dead, leave the scheduler (which
@@ -167,7 +179,8 @@ class WorkerAgent:
         return pb.Hello(worker_id=self.worker_id, capacity=self.settings.engine.max_num_seqs,
                         policy_version=self.version, max_model_len=info.max_model_len,
                         vocab_size=info.vocab_size, model=info.model, speculation=info.speculation,
-                        logprobs_mode=info.logprobs_mode)
+                        logprobs_mode=info.logprobs_mode,
+                        tensor_parallel_size=self.settings.engine.tensor_parallel_size)
 
     async def _outgoing(self):
         while (msg := await self.outbox.get()) is not None:
@@ -201,6 +214,10 @@ class WorkerAgent:
             self.tasks[f"draft:{job.job_id}"] = asyncio.create_task(self._run_draft(job))
         elif kind == "stop_draft":
             await self._cancel(f"draft:{msg.stop_draft.job_id}")
+        elif kind == "control":
+            task = asyncio.create_task(self._control(msg.control))  # a weight update may block for minutes
+            self._controls.add(task)
+            task.add_done_callback(self._controls.discard)
 
     async def _cancel(self, key: str) -> None:
         task = self.tasks.pop(key, None)
@@ -218,6 +235,12 @@ class WorkerAgent:
         A checkpoint refused by its check leaves the old weights serving; any later failure
         leaves them unknown (version -1: this worker serves nothing until a load succeeds)."""
         started = time.monotonic()
+        if cmd.weights_path.startswith(_TRANSFERRED):  # refused before anything changed
+            error = (f"version {cmd.version} was pushed to the workers by weight transfer ({cmd.weights_path!r:.80}); "
+                     "this worker was not in the trainer's group and cannot load it from a directory")
+            logger.error("worker %s: %s", self.worker_id, error)
+            self._send(policy_loaded=pb.PolicyLoaded(version=cmd.version, ok=False, error=error, seconds=0.0))
+            return
         if self.tasks:
             logger.warning("worker %s: cancelling %d running task(s) before loading version %d",
                            self.worker_id, len(self.tasks), cmd.version)
@@ -239,6 +262,33 @@ class WorkerAgent:
             return
         self.version = cmd.version
         self._send(policy_loaded=pb.PolicyLoaded(version=cmd.version, ok=True, seconds=time.monotonic() - started))
+
+    async def _control(self, call: pb.ControlCall) -> None:
+        """Run one engine control call (vLLM's weight transfer, prefix-cache reset) and answer
+        it. Calls run one at a time, in the order they came. ``start_weight_update`` leaves
+        the weights unknown (version -1: vLLM rebuilds the layers as they arrive) until
+        ``finish_weight_update`` succeeds and sets the version the scheduler gave it."""
+        async with self._control_lock:
+            op = _CONTROL_OPS.get(call.op)
+            try:
+                if op is None:
+                    raise ValueError(f"op: unknown control operation {call.op}")
+                args = json.loads(call.json or "{}")
+                if not isinstance(args, dict):
+                    raise TypeError("json: must be a JSON object")
+                if op == "start_weight_update":
+                    await self._drop_all()  # no generation spans the weights' change (none should run)
+                    self.version = -1
+                result = await self.engine.control(op, args)
+                if op == "finish_weight_update":
+                    self.version = call.policy_version
+            except Exception as exc:
+                logger.error("worker %s: %s failed: %s", self.worker_id, op or call.op, exc)
+                self._send(control_result=pb.ControlResult(call_id=call.call_id, ok=False,
+                                                           error=str(exc)[:500] or type(exc).__name__))
+                self._check_engine()
+                return
+            self._send(control_result=pb.ControlResult(call_id=call.call_id, ok=True, json=json.dumps(result or {})))
 
     # ------------------------------------------------------------ generation --
 

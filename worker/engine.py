@@ -21,7 +21,8 @@ from bubblespec.client.types import LOGPROBS_MODES, FinishReason, Provenance, Sa
 from bubblespec.worker.checkpoint import Checkpoint, CheckpointError, check_checkpoint, read_checkpoint
 from bubblespec.worker.lifeline import STARTER, Lifeline
 
-__all__ = ["Engine", "EngineInfo", "EngineOutput", "EngineRequest", "EngineSettings", "GenerationFailed", "VllmEngine"]
+__all__ = ["CONTROL_OPS", "Engine", "EngineInfo", "EngineOutput", "EngineRequest", "EngineSettings", "GenerationFailed",
+           "VllmEngine"]
 
 logger = logging.getLogger(__name__)
 PROPOSER = "bubblespec.worker.proposer.BubbleSpecProposer"
@@ -72,6 +73,11 @@ class EngineSettings:
     allow_unsupported_vllm: bool = False
     """Start on a vLLM release the worker was not checked against (``compat.SUPPORTED_VLLM``)
     instead of refusing to; logged loudly. The start-up self-checks still run."""
+    weight_transfer_backend: str | None = None
+    """vLLM's weight-transfer backend (``weight_transfer_config={"backend": ...}``, e.g. ``nccl``):
+    lets a trainer push weights into this engine through the scheduler's weight-transfer routes
+    (docs/INTEGRATIONS.md). None = none: those calls fail on this worker with vLLM's
+    "Weight transfer not configured". ``nccl`` needs GPUs."""
     self_checks: bool = True
     """Run the start-up self-checks (``selfcheck``) before the worker joins the scheduler.
     UNSAFE to turn off: nothing then verifies that drafts, the CPU sampler fix or weight
@@ -128,7 +134,16 @@ class Engine(Protocol):
         changed (the engine still serves its previous weights); any other error: the weights
         (or the KV cache) are in an unknown state and must not serve until a load succeeds."""
 
+    async def control(self, op: str, args: dict) -> dict:
+        """Run one engine control operation (``CONTROL_OPS``) with its JSON arguments; return
+        its JSON result. Raises with the engine's message when it fails."""
+
     async def shutdown(self) -> None: ...
+
+
+CONTROL_OPS = ("init_weight_transfer", "start_weight_update", "update_weights", "finish_weight_update",
+               "reset_prefix_cache")
+"""vLLM's RL control calls a worker runs for the scheduler (``ControlCall.op``)."""
 
 
 def _import_vllm():
@@ -181,6 +196,7 @@ class VllmEngine:
                                               "cpu_sampler_fix": s.cpu_sampler_fix},
                                "bubblespec_lifeline": Lifeline()},  # engine processes die with this one
             enable_prefix_caching=True,
+            weight_transfer_config=({"backend": s.weight_transfer_backend} if s.weight_transfer_backend else None),
         )
         # Engine start-up blocks for tens of seconds: keep the event loop (heartbeats) running.
         async with _SPAWN_LOCK:  # the engine process reads its core binding from the environment
@@ -277,6 +293,33 @@ class VllmEngine:
         if not await self._llm.reset_prefix_cache():
             raise RuntimeError(f"loaded {path!r} but could not reset the prefix cache (blocks still in use): "
                                "KV computed under the previous weights may remain")
+
+    async def control(self, op: str, args: dict) -> dict:
+        """vLLM's ``AsyncLLM`` weight-transfer calls, as its ``/init_weight_transfer_engine``,
+        ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update`` and
+        ``/reset_prefix_cache`` routes make them. ``finish_weight_update`` also drops every
+        cached KV block (computed under the old weights), failing when it cannot."""
+        assert self._llm is not None, "engine not started"
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+
+        llm = self._llm
+        if op == "init_weight_transfer":
+            await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=args.get("init_info") or {}))
+        elif op == "start_weight_update":
+            await llm.start_weight_update()
+        elif op == "update_weights":
+            await llm.update_weights(WeightTransferUpdateRequest(update_info=args.get("update_info") or {}))
+        elif op == "finish_weight_update":
+            await llm.finish_weight_update(args.get("weight_version"))
+            if not await llm.reset_prefix_cache():
+                raise RuntimeError("finished the weight update but could not reset the prefix cache (blocks still "
+                                   "in use): KV computed under the previous weights may remain")
+        elif op == "reset_prefix_cache":
+            done = await llm.reset_prefix_cache(bool(args.get("reset_running_requests")), bool(args.get("reset_external")))
+            return {"success": bool(done)}
+        else:
+            raise ValueError(f"op: unknown control operation {op!r:.40}")
+        return {}
 
     async def shutdown(self) -> None:
         if self._llm is not None:

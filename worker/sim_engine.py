@@ -176,6 +176,12 @@ class SimulatedEngine:
         self.weights_path = path
         self.loads += 1
 
+    async def control(self, op: str, args: dict) -> dict:
+        """A simulated engine has no KV cache to reset and no weights to receive."""
+        if op == "reset_prefix_cache":
+            return {"success": True}
+        raise RuntimeError(f"{op}: the simulated engine has no weight transfer")
+
     async def shutdown(self) -> None:
         if self._loop is not None:
             self._loop.cancel()

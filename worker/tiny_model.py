@@ -4,6 +4,9 @@ Tests and the embedded demo need a real model that vLLM can load without any dow
 ``build_tiny_model(path)`` writes a HuggingFace-format directory (``config.json``,
 ``model.safetensors``, ``tokenizer.json``, ...) whose weights depend only on ``seed``.
 
+The tokenizer has a ChatML-style chat template (``CHAT_TEMPLATE``, in ``tokenizer_config.json``)
+with ``<s>`` and ``</s>`` as the turn markers, so that ``/v1/chat/completions`` can be tested.
+
 ``perturb_weights(src, dst, scale, seed)`` writes a copy with Gaussian noise added: a
 stand-in for "the trainer took a gradient step" in tests of policy updates.
 """
@@ -14,12 +17,30 @@ import json
 import string
 from pathlib import Path
 
-__all__ = ["TINY_VOCAB", "build_tiny_model", "perturb_weights"]
+__all__ = ["CHAT_TEMPLATE", "TINY_VOCAB", "build_tiny_model", "build_tiny_tokenizer", "perturb_weights"]
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 #: Every token of the tiny tokenizer: specials, then printable ASCII, one character each.
 TINY_VOCAB: list[str] = SPECIAL_TOKENS + [c for c in string.printable if c not in "\t\r\x0b\x0c"]
 _VOCAB_SIZE = 128  # padded; ids past len(TINY_VOCAB) are never produced by the tokenizer
+#: ChatML's layout with the tokens the tiny tokenizer has: ``<s>role\ncontent</s>\n`` per message.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ bos_token + message['role'] + '\n' + message['content'] + eos_token + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ bos_token + 'assistant\n' }}{% endif %}"
+)
+
+
+def build_tiny_tokenizer(path: str | Path) -> Path:
+    """Write the tiny tokenizer (``tokenizer.json``, ``tokenizer_config.json`` with the chat
+    template) to ``path``; return the path."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    _write_tokenizer(path)
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    config["chat_template"] = CHAT_TEMPLATE
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+    return path
 
 
 def _write_tokenizer(path: Path) -> None:
@@ -78,7 +99,7 @@ def build_tiny_model(
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)
     model.save_pretrained(str(path), safe_serialization=True)
-    _write_tokenizer(path)
+    build_tiny_tokenizer(path)
     (path / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
     )

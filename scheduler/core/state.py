@@ -21,7 +21,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from bubblespec.client.types import LOGPROBS_MODES, Completion, Provenance, SamplingParams, SchedulingPolicy, StepSummary
-from bubblespec.scheduler.core.drafting import DraftPlanner, draft_seed
+from bubblespec.scheduler.core.drafting import DraftPlanner, draft_seed, job_sampling
+from bubblespec.scheduler.core.pause import Pauser
 from bubblespec.scheduler.core.policy import PolicyBarrier
 from bubblespec.scheduler.core.types import (
     Abort, Action, Assign, Deliver, Disconnect, DraftJobSpec, InvalidRequest, LoadPolicy, ModelLimits,
@@ -149,6 +150,7 @@ class SchedulerCore:
         self._loading: set[str] = set()  # workers the barrier still waits for
         self._jobs = itertools.count()
         self._drafts_wanted = False  # the latest step asked for drafts of its lookahead
+        self.pauser = Pauser(self)  # /pause and /resume (core/pause.py)
 
     # ------------------------------------------------------------- workers --
 
@@ -249,6 +251,7 @@ class SchedulerCore:
             if existing.spec.fingerprint != spec.fingerprint:
                 raise InvalidRequest("step_id", f"step {spec.step_id!r} exists with different content", "ALREADY_EXISTS")
             return existing
+        self.pauser.check_new_step()
         if self._barrier is not None:
             raise InvalidRequest("policy_version", f"the update to policy version {self._barrier.version} is still loading; "
                                  "run the step after UpdatePolicy returns", "FAILED_PRECONDITION")
@@ -438,7 +441,7 @@ class SchedulerCore:
             return repeat
         if version <= self.version:
             raise InvalidRequest("version", f"must be greater than the current version {self.version}, got {version}", "FAILED_PRECONDITION")
-        running = [s.spec.step_id for s in self.steps.values() if s.active]
+        running = self.pauser.waiting()  # a step held by a keep-pause moves to the new version (pause.rebase)
         if running:
             raise InvalidRequest("version", f"step {running[0]!r} is still running", "FAILED_PRECONDITION")
         if not self.workers:
@@ -502,6 +505,7 @@ class SchedulerCore:
         outcome = b.outcome(self.workers, self.version)
         if isinstance(outcome, PolicyReady):
             self.version, self.weights_path = b.version, b.weights_path
+            self.pauser.rebase(b.version)
         for w in self.workers.values():
             if w.load_failed == b.version:
                 w.load_failed = None  # the version is gone: old weights that are intact serve again
@@ -606,7 +610,7 @@ class SchedulerCore:
             if self._takeable(w, key):
                 return key
         for step in self.steps.values():
-            if step.active and step.spec.policy_version == w.version:
+            if step.active and step.spec.policy_version == w.version and not self.pauser.holds(step.spec.step_id):
                 for _ in range(len(step.shared)):  # keys it may not take go to the back, once
                     key = step.shared.popleft()
                     if self._takeable(w, key):
@@ -646,7 +650,7 @@ class SchedulerCore:
             if up is None:
                 break
             # never a request's seed (nor its random stream); logprobs of a draft are not used
-            sampling = replace(up.sampling, seed=draft_seed(self.rng), logprobs_mode=w.hello.logprobs_mode)
+            sampling = job_sampling(up, draft_seed(self.rng), w.hello.logprobs_mode)
             job = DraftJobSpec(f"d{next(self._jobs)}", up.token_ids, sampling, self.version, up.for_step)
             w.drafts[job.job_id] = up.token_ids
             actions.append(StartDraft(w.hello.worker_id, job))
@@ -760,13 +764,14 @@ def _step_of(key: str) -> str:
 
 
 def _expand(spec: StepSpec) -> list[RequestSpec]:
-    from dataclasses import replace
-
     out = []
+    samplings: dict[tuple[int, int], SamplingParams] = {}  # (max_tokens, i): one object per pair, not per request
     for p in spec.prompts:
         for i in range(spec.sampling.n):
-            seed = None if spec.sampling.seed is None else spec.sampling.seed + i
-            sampling = replace(spec.sampling, n=1, seed=seed, max_tokens=p.max_tokens)
+            sampling = samplings.get((p.max_tokens, i))
+            if sampling is None:
+                seed = None if spec.sampling.seed is None else spec.sampling.seed + i
+                sampling = samplings[p.max_tokens, i] = replace(spec.sampling, n=1, seed=seed, max_tokens=p.max_tokens)
             out.append(RequestSpec(request_key(spec.step_id, p.prompt_id, i), spec.step_id, p.prompt_id, i,
                                    p.token_ids, sampling, spec.policy_version, spec.use_drafts, spec.sampling.n))
     return out

@@ -80,6 +80,7 @@ def _document(core: SchedulerCore, now: float, workers: list) -> dict:
         + sum(len(w.private) for w in core.workers.values()),
         "requests_running": sum(len(w.running) for w in core.workers.values()),
         "drafts": {"prompts_covered": covered, "prompts_announced": announced},
+        "paused": core.pauser.mode or None,  # /pause's mode while paused (core/pause.py)
     }
 
 

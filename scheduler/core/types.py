@@ -59,6 +59,11 @@ class WorkerHello:
     speculation: bool = False
     logprobs_mode: str = "processed"
     """The logprobs its engine returns: it runs only requests asking for these."""
+    tensor_parallel_size: int = 1
+    """Ranks of its engine (GPUs of its tensor-parallel group): its share of a weight-transfer group."""
+    model: str = ""
+    """The weights its engine started from (a directory on the worker's machine; '' = not said):
+    the base weights that ``POST /reload_weights`` goes back to."""
 
 
 @dataclass(frozen=True)

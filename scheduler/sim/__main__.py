@@ -12,11 +12,13 @@ and the speedup of the makespan over the ``static`` baseline (no drafts) of the 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import replace
 
+from bubblespec.scheduler.sim.attribution import format_tail
 from bubblespec.scheduler.sim.costs import PROFILES
 from bubblespec.scheduler.sim.simulator import SimResult, SimSettings, simulate
 from bubblespec.scheduler.sim.workload import AcceptanceModel, LengthModel, Workload
@@ -25,14 +27,19 @@ __all__ = ["format_table", "main"]
 
 BASELINE = "static"
 POLICIES = ("static", "queue", "queue+drafts", "static+drafts", "longest-first", "longest-first+drafts")
-COLUMNS = ("workers", "policy", "makespan_s", "speedup", "fwd/token", "bubble", "drafting", "acc/pass",
-           "future_cov", "sim_wall_s")
+MIN_REQUESTS = 16384
+REQUESTS_PER_WORKER = 64
+COLUMNS = ("workers", "requests", "policy", "makespan_s", "speedup", "per_seed", "fwd/token", "bubble", "drafting",
+           "acc/pass", "future_cov", "sim_wall_s")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bubblespec.scheduler.sim", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bubblespec.scheduler.sim", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--workers", default="8,64,512", help="comma-separated worker counts")
-    p.add_argument("--requests", type=int, default=8192, help="requests per step (prompts x samples)")
+    p.add_argument("--requests", default="auto",
+                   help=f"requests per step (prompts x samples); 'auto': {REQUESTS_PER_WORKER} per worker, at least "
+                        f"{MIN_REQUESTS}, so that every worker count gets work for its slots")
     p.add_argument("--samples", type=int, default=8, help="samples per prompt")
     p.add_argument("--steps", type=int, default=2, help="steps per run (step 1 on uses drafts from the one before)")
     p.add_argument("--policies", default="static,queue,queue+drafts,static+drafts",
@@ -45,9 +52,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-sigma", type=float, default=0.6,
                    help="log-space spread of a sample (and a draft) around its prompt's scale")
     p.add_argument("--accept-future", type=float, default=0.7, help="per-token acceptance of future drafts")
+    p.add_argument("--accept-suffix", type=float, default=0.0,
+                   help="what-if (no source; workers do not self-draft): per-token acceptance of self-drafts from a "
+                        "request's own text past the end of its draft; 0: off")
+    p.add_argument("--max-draft-tokens", type=int, default=AcceptanceModel.max_draft_tokens,
+                   help="draft tokens per request and pass at most (the worker's DraftLength.max_tokens)")
+    p.add_argument("--min-accept-prob", type=float, default=AcceptanceModel.min_accept_prob,
+                   help="draft the j-th token while acceptance**j stays at or above this (DraftLength.min_accept_prob)")
     p.add_argument("--train-seconds", type=float, default=0.0,
                    help="simulated time between steps (reward + training); idle workers draft through it")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="workload seed (lengths, acceptance); every policy sees the same")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="run seeds --seed .. --seed+N-1; a row shows medians over them and each seed's speedup")
+    p.add_argument("--tail", type=int, default=0,
+                   help="makespan attribution: print the last N requests of every reported step (0: off)")
     return p
 
 
@@ -58,13 +76,31 @@ def _policy(name: str) -> tuple[str, bool]:
     return base, extra == "drafts"
 
 
-def _row(r: SimResult, baseline: SimResult) -> tuple[str, ...]:
-    makespan = r.mean("makespan_seconds")
-    cov = sum(s.with_future_draft for s in r.reported) / max(1, sum(s.requests for s in r.reported))
-    return (str(r.workers), r.name, f"{makespan:.1f}", f"{baseline.mean('makespan_seconds') / makespan:.2f}x",
-            f"{r.mean('forward_passes_per_token'):.3f}", f"{r.mean('bubble_share'):.1%}",
-            f"{r.mean('drafting_share'):.1%}", f"{r.mean('accepted_per_pass'):.2f}", f"{cov:.0%}",
-            f"{r.wall_seconds:.1f}")
+def requests_for(workers: int, requests: str, samples: int) -> int:
+    """Requests per step for ``workers`` workers: ``requests``, or with 'auto' ``REQUESTS_PER_WORKER``
+    per worker and at least ``MIN_REQUESTS``, rounded up to a multiple of ``samples``."""
+    if requests != "auto":
+        try:
+            return int(requests)
+        except ValueError:
+            raise SystemExit(f"--requests must be an integer or 'auto', got {requests!r}") from None
+    n = max(MIN_REQUESTS, REQUESTS_PER_WORKER * workers)
+    return -(-n // samples) * samples
+
+
+def _row(runs: Sequence[SimResult], baselines: Sequence[SimResult]) -> tuple[str, ...]:
+    """One table row: medians over the seeds of ``runs``; ``baselines``: static runs of the same seeds."""
+    def med(attr: str) -> float:
+        return statistics.median(r.mean(attr) for r in runs)
+
+    speedups = [b.mean("makespan_seconds") / r.mean("makespan_seconds") for r, b in zip(runs, baselines)]
+    cov = statistics.median(sum(s.with_future_draft for s in r.reported) / max(1, sum(s.requests for s in r.reported))
+                            for r in runs)
+    r = runs[0]
+    return (str(r.workers), str(r.requests_per_step), r.name, f"{med('makespan_seconds'):.1f}",
+            f"{statistics.median(speedups):.2f}x", "/".join(f"{x:.2f}" for x in speedups),
+            f"{med('forward_passes_per_token'):.3f}", f"{med('bubble_share'):.1%}", f"{med('drafting_share'):.1%}",
+            f"{med('accepted_per_pass'):.2f}", f"{cov:.0%}", f"{sum(x.wall_seconds for x in runs):.1f}")
 
 
 def format_table(rows: Sequence[Sequence[str]]) -> str:
@@ -84,22 +120,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     profile = PROFILES[args.profile]
     workload = Workload(lengths=LengthModel(median_tokens=args.median_tokens, max_tokens=args.max_tokens,
                                             prompt_sigma=args.prompt_sigma, sample_sigma=args.sample_sigma))
-    acceptance = replace(AcceptanceModel(), future=args.accept_future)
-    settings = SimSettings(capacity=args.capacity, samples=args.samples, train_seconds=args.train_seconds)
-    print(f"profile {profile.name} ({profile.source}); {args.requests} requests/step, {args.samples} samples/prompt, "
-          f"capacity {args.capacity}, {args.steps} steps, seed {args.seed}", flush=True)
+    acceptance = replace(AcceptanceModel(), future=args.accept_future, suffix=args.accept_suffix,
+                         max_draft_tokens=args.max_draft_tokens, min_accept_prob=args.min_accept_prob)
+    settings = SimSettings(capacity=args.capacity, samples=args.samples, train_seconds=args.train_seconds,
+                           tail_requests=max(0, args.tail))
+    print(f"profile {profile.name} ({profile.source}); requests/step {args.requests}, {args.samples} samples/prompt, "
+          f"capacity {args.capacity}, {args.steps} steps, seeds {args.seed}..{args.seed + max(1, args.seeds) - 1}",
+          flush=True)
     rows = []
+    tails: list[str] = []
     started = time.perf_counter()
+    seeds = range(args.seed, args.seed + max(1, args.seeds))
     for w in workers:
-        baseline = None
+        baselines: list[SimResult] = []
         for name, policy, drafting in runs:
-            r = simulate(policy, w, args.requests, args.steps, profile, drafting, args.seed,
-                         workload=workload, acceptance=acceptance, settings=settings)
-            baseline = baseline or r
-            rows.append(_row(r, baseline))
-            print(f"  {w} workers, {name}: {r.wall_seconds:.1f} s (adding workers {r.setup_wall_seconds:.1f} s, "
-                  f"steps {', '.join(f'{s.wall_seconds:.1f}' for s in r.steps)} s)", file=sys.stderr, flush=True)
+            results = []
+            for seed in seeds:
+                r = simulate(policy, w, requests_for(w, args.requests, args.samples), args.steps, profile, drafting,
+                             seed, workload=workload, acceptance=acceptance, settings=settings)
+                results.append(r)
+                tails += [format_tail(f"{w} workers, {name}, seed {seed}, step {s.summary.step_id} (makespan "
+                                      f"{s.makespan_seconds:.1f} s): last {len(s.tail)} requests", s.tail)
+                          for s in r.reported if s.tail]
+                print(f"  {w} workers, {name}, seed {seed}: {r.wall_seconds:.1f} s (adding workers "
+                      f"{r.setup_wall_seconds:.1f} s, steps {', '.join(f'{s.wall_seconds:.1f}' for s in r.steps)} s)",
+                      file=sys.stderr, flush=True)
+            baselines = baselines or results
+            rows.append(_row(results, baselines))
     print(format_table(rows))
+    for t in tails:
+        print(t)
     print(f"total {time.perf_counter() - started:.0f} s", flush=True)
     return 0
 

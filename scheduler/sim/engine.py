@@ -65,6 +65,18 @@ class Member:
     """Heap generation: bumps whenever ``target`` changes (stale entries are skipped)."""
     payload: object = None
     """What the simulator attached (the request spec or the draft job)."""
+    suffix_alpha: float = 0.0
+    """What-if: acceptance of self-drafts (suffix matching on its own text) past its draft's end; 0: none."""
+    suffix_phase: bool = False
+    """The current phase drafts from its own text."""
+    suffix_drafted: float = 0.0
+    suffix_accepted: float = 0.0
+    max_k: int = 0
+    """Most draft tokens per pass it ran with (makespan attribution)."""
+    assigned_at: float = 0.0
+    """Simulated time it joined (makespan attribution)."""
+    batch_at_start: int = 0
+    """Batch size when it joined, itself included (makespan attribution)."""
 
     def position(self, passes: float) -> float:
         return min(float(self.length), self.pos0 + (passes - self.p0) * self.rate)
@@ -210,13 +222,19 @@ class SimulatedEngine:
     # ----------------------------------------------------------- phases --
 
     def _start_phase(self, m: Member, drafts: bool) -> None:
-        """Begin a phase at (m.p0, m.pos0): with drafts while one covers the position."""
-        k = 0
-        if drafts and not m.job and m.pos0 < m.draft_len:
+        """Begin a phase at (m.p0, m.pos0): with drafts while one covers the position; past it,
+        self-drafts when ``suffix_alpha`` is set (a what-if), else one token per pass."""
+        k, alpha, m.suffix_phase = 0, m.alpha, False
+        past = not drafts or m.pos0 >= m.draft_len  # ``drafts`` False: its draft just ran out
+        if not m.job and not past:
             k = self.acceptance.draft_tokens(m.alpha, self.acceptance.batch_cap(len(self.members)))
+        elif m.suffix_alpha > 0 and not m.job:
+            alpha, m.suffix_phase = m.suffix_alpha, True
+            k = self.acceptance.draft_tokens(alpha, self.acceptance.batch_cap(len(self.members)))
         m.k = k
-        m.rate = 1.0 + expected_accepted(m.alpha, k) if k else 1.0
-        boundary = min(m.draft_len, m.length) if k else m.length
+        m.max_k = max(m.max_k, k)
+        m.rate = 1.0 + expected_accepted(alpha, k) if k else 1.0
+        boundary = m.length if m.suffix_phase or not k else min(m.draft_len, m.length)
         m.target = m.p0 + max(0.0, boundary - m.pos0) / m.rate
         m.gen += 1
         self.draft_tokens += k
@@ -229,7 +247,8 @@ class SimulatedEngine:
             if m.job or not m.started:
                 continue
             pos = m.position(self.passes)
-            want = self.acceptance.draft_tokens(m.alpha, cap) if pos < m.draft_len else 0
+            alpha = m.alpha if pos < m.draft_len else m.suffix_alpha
+            want = self.acceptance.draft_tokens(alpha, cap) if pos < m.draft_len or m.suffix_phase else 0
             if want != m.k:
                 self._close_phase(m)
                 self.draft_tokens -= m.k
@@ -243,5 +262,9 @@ class SimulatedEngine:
         passes = max(0.0, self.passes - m.p0) if self.passes < m.target else m.target - m.p0
         tokens = passes * m.rate
         m.spec_passes += passes
-        m.drafted += passes * m.k
-        m.accepted += max(0.0, tokens - passes)
+        if m.suffix_phase:
+            m.suffix_drafted += passes * m.k
+            m.suffix_accepted += max(0.0, tokens - passes)
+        else:
+            m.drafted += passes * m.k
+            m.accepted += max(0.0, tokens - passes)

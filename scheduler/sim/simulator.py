@@ -52,6 +52,7 @@ from bubblespec.scheduler.core.types import (
     WorkerHello,
 )
 from bubblespec.scheduler.core.validate import Limits, build_step
+from bubblespec.scheduler.sim.attribution import TailLog, TailRequest
 from bubblespec.scheduler.sim.costs import CostProfile
 from bubblespec.scheduler.sim.engine import Member, SimulatedEngine
 from bubblespec.scheduler.sim.workload import AcceptanceModel, SimPrompt, TraceWorkload, Workload
@@ -100,6 +101,8 @@ class SimSettings:
     """Core settings (``drafting`` is set from ``simulate``'s argument)."""
     max_sim_seconds: float = 1e7
     """Give up (``SimStalled``) when simulated time passes this."""
+    tail_requests: int = 0
+    """Last requests of each step kept for makespan attribution (``StepStats.tail``); 0: none."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,8 @@ class StepStats:
     """Distinct workers that got a draft job during the step."""
     wall_seconds: float
     """Real seconds the simulator spent on the step."""
+    tail: tuple[TailRequest, ...] = ()
+    """The step's last requests, the very last first (``SimSettings.tail_requests`` of them)."""
 
     @property
     def makespan_seconds(self) -> float:
@@ -229,6 +234,8 @@ class _StepLog:
     draft_jobs: int = 0
     drafters: set[str] = field(default_factory=set)
     summary: StepSummary | None = None
+    started: float = 0.0
+    tail: TailLog = field(default_factory=lambda: TailLog(0))
 
 
 class _Simulation:
@@ -288,13 +295,15 @@ class _Simulation:
             limits=Limits(max_prompts=max(65536, len(prompts)), max_lookahead=max(65536, len(ahead))),
             model=self.limits,
         )
-        log = self.log = _StepLog(spec.step_id, spec.num_requests)
+        log = self.log = _StepLog(spec.step_id, spec.num_requests, started=self.now,
+                                  tail=TailLog(self.settings.tail_requests))
         self._execute(self.core.submit_step(spec))
         self._commit()
         self._run_until(lambda: log.summary is not None)
         assert log.summary is not None
         return StepStats(log.summary, log.requests, len(log.delivered), log.duplicates, log.with_future,
-                         log.with_history, log.draft_jobs, len(log.drafters), time.perf_counter() - started)
+                         log.with_history, log.draft_jobs, len(log.drafters), time.perf_counter() - started,
+                         log.tail.requests())
 
     def train(self, seconds: float) -> None:
         """Let ``seconds`` of simulated time pass with no step running (reward + training)."""
@@ -391,13 +400,25 @@ class _Simulation:
                 req = m.payload
                 if self.settings.history_drafts:
                     self.history[req.prompt_token_ids] = max(self.history.get(req.prompt_token_ids, 0), m.length)  # type: ignore[attr-defined]
+                if self.log is not None and self.log.tail.size:
+                    self._attribute(wid, m, eng)
                 self._execute(self.core.on_completion(wid, m.key, self._completion(wid, m, eng.passes)))
+
+    def _attribute(self, wid: str, m: Member, eng: SimulatedEngine) -> None:
+        """Record a finished request for makespan attribution (``SimSettings.tail_requests``)."""
+        log = self.log
+        log.tail.add(TailRequest(  # type: ignore[union-attr]
+            m.key, wid, m.length, m.assigned_at - log.started, self.now - log.started,  # type: ignore[union-attr]
+            m.source, int(m.draft_len), m.alpha, m.max_k, m.forward_passes(eng.passes), m.spec_passes,
+            m.accepted, m.batch_at_start, len(eng.members) + 1))
 
     def _completion(self, wid: str, m: Member, passes: float) -> Completion:
         req = m.payload
         sources: tuple[SourceStats, ...] = ()
-        if m.spec_passes > 0:
+        if m.drafted > 0:
             sources = (SourceStats(m.source, round(m.drafted), round(m.accepted)),)
+        if m.suffix_drafted > 0:
+            sources += (SourceStats("suffix", round(m.suffix_drafted), round(m.suffix_accepted)),)
         finish = FinishReason.LENGTH if m.length >= req.sampling.max_tokens else FinishReason.STOP  # type: ignore[attr-defined]
         # Simulated tokens: ``range`` is a lazy sequence of the right length (the core only
         # measures it), so 65,536 completions do not hold millions of token ids.
@@ -456,9 +477,13 @@ class _Simulation:
             if source:
                 alpha = self.acceptance.alpha(source, p.accept_z[req.sample_index])
         m = Member(req.key, p.lengths[req.sample_index], draft_len=draft_len, source=source, alpha=alpha,
-                   prompt_tokens=self.workload.prompt_tokens, payload=req)
-        for job in self.engines[a.worker_id].add(self.now, m):
+                   prompt_tokens=self.workload.prompt_tokens, payload=req, assigned_at=self.now)
+        if self.drafting and req.use_drafts and self.acceptance.suffix > 0:
+            m.suffix_alpha = self.acceptance.alpha("suffix", p.accept_z[req.sample_index])
+        eng = self.engines[a.worker_id]
+        for job in eng.add(self.now, m):
             self._keep_partial(a.worker_id, job)
+        m.batch_at_start = len(eng.members)
         self.dirty[a.worker_id] = None
         self._schedule_progress(a.worker_id, m)
 

@@ -62,6 +62,10 @@ class AcceptanceModel:
     history: float = 0.6
     """Mean per-token acceptance of ``history`` drafts (an earlier sample of the same prompt).
     Assumption, somewhat below ``future`` as a finished sibling is one sample among many."""
+    suffix: float = 0.0
+    """What-if, off by default (no source): mean per-token acceptance of self-drafts, i.e. suffix
+    matching on the request's own text (vLLM's suffix method, SRT) past the end of its draft.
+    The workers do not self-draft; this only asks what self-drafting would need to reach."""
     spread: float = 0.5
     """Log-odds standard deviation of a request's acceptance around its source's mean."""
     max_draft_tokens: int = 8
@@ -72,7 +76,7 @@ class AcceptanceModel:
     """Draft the j-th token only while ``alpha**j`` stays at or above this."""
 
     def __post_init__(self) -> None:
-        for name in ("future", "history"):
+        for name in ("future", "history", "suffix"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if not 0 < self.min_accept_prob < 1:

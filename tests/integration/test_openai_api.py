@@ -90,10 +90,10 @@ async def test_streaming_sends_every_choice_once(cluster, client):
     assert {ch.index: ch.text for ch in indexed} == {i: c.text for i, c in enumerate(ref.completions)}
 
 
-async def _post_raw(cluster, body: bytes) -> tuple[int, dict]:
+async def _post_raw(cluster, body: bytes, path: str = "/v1/completions") -> tuple[int, dict]:
     """A request the openai client cannot send (the scheduler's HTTP server runs on this loop)."""
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{cluster.scheduler.http_port}") as http:
-        r = await http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+        r = await http.post(path, content=body, headers={"Content-Type": "application/json"})
         return r.status_code, r.json()
 
 
@@ -151,3 +151,90 @@ async def test_seeded_sampling_builds_the_step_the_grpc_client_builds(cluster, c
         (ref_spec.sampling, ref_spec.prompts, ref_spec.fingerprint)
     assert len(out.choices) == len(ref.completions) == 4
     assert all(1 <= len(c.model_extra["token_ids"]) <= 12 for c in out.choices)
+
+
+CHAT = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "The quick brown fox"}]
+
+
+def _templated(cluster, messages) -> list[int]:
+    """The prompt ids transformers' own apply_chat_template gives (what vLLM serves for chat)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(cluster.scheduler.settings.tokenizer)
+    return list(tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False))
+
+
+async def test_chat_greedy_matches_the_grpc_client_on_the_templated_prompt(cluster, client):
+    out = await _openai(cluster).chat.completions.create(
+        model=_model(cluster), messages=CHAT, n=2, logprobs=True, temperature=0.0, max_completion_tokens=8,
+        extra_body={"return_token_ids": True})
+    ids = _templated(cluster, CHAT)
+    assert out.object == "chat.completion" and out.id.startswith("chatcmpl-")
+    assert out.model_extra["prompt_token_ids"] == ids
+    ref_ids, ref_lps = await _reference(client, cluster, "oa-chat-ref", [ids], n=2)
+    assert len(ref_ids) == 2 and all(ref_ids)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert [tuple(c.model_extra["token_ids"]) for c in out.choices] == ref_ids
+    for choice, expected in zip(out.choices, ref_lps):
+        assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+        assert [e.logprob for e in choice.logprobs.content] == pytest.approx(list(expected), abs=1e-5)
+        assert all(e.top_logprobs == [] and bytes(e.bytes).decode() == e.token for e in choice.logprobs.content)
+    v = cluster.scheduler.core.version
+    ref = await client.generate(f"oa-chat-text-v{v}", [ids], SamplingParams(n=1, **GREEDY), policy_version=v)
+    assert out.choices[0].message.content == ref.completions[0].text
+    assert out.usage.prompt_tokens == len(ids)
+    assert out.usage.completion_tokens == sum(len(t) for t in ref_ids)
+
+
+async def test_chat_streaming_sends_roles_then_each_choice_once(cluster, client):
+    stream = await _openai(cluster).chat.completions.create(
+        model=_model(cluster), messages=CHAT, n=2, stream=True, stream_options={"include_usage": True}, **GREEDY)
+    chunks = [chunk async for chunk in stream]
+    assert {c.object for c in chunks} == {"chat.completion.chunk"}
+    deltas = [c.choices[0] for c in chunks if c.choices]
+    assert sorted(d.index for d in deltas if d.delta.role == "assistant") == [0, 1]
+    finished = [d for d in deltas if d.finish_reason is not None]
+    assert sorted(d.index for d in finished) == [0, 1]
+    v = cluster.scheduler.core.version
+    ref = await client.generate(f"oa-chat-stream-ref-v{v}", [_templated(cluster, CHAT)], SamplingParams(n=2, **GREEDY),
+                                policy_version=v)
+    assert {d.index: d.delta.content for d in finished} == {i: c.text for i, c in enumerate(ref.completions)}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == sum(len(c.token_ids) for c in ref.completions)
+
+
+async def test_return_tokens_as_token_ids_names_tokens_by_id(cluster):
+    api, model = _openai(cluster), _model(cluster)
+    extra = {"return_token_ids": True, "return_tokens_as_token_ids": True}
+    out = await api.completions.create(model=model, prompt=PROMPTS[0], logprobs=1, extra_body=extra, **GREEDY)
+    choice = out.choices[0]
+    names = [f"token_id:{t}" for t in choice.model_extra["token_ids"]]
+    assert choice.logprobs.tokens == names and names
+    assert [list(top) for top in choice.logprobs.top_logprobs] == [[n] for n in names]
+    chat = await api.chat.completions.create(model=model, messages=CHAT, logprobs=True, extra_body=extra, **GREEDY)
+    entries = chat.choices[0].logprobs.content
+    assert [e.token for e in entries] == [f"token_id:{t}" for t in chat.choices[0].model_extra["token_ids"]]
+
+
+async def test_bad_chat_requests_are_refused_naming_the_parameter_and_change_nothing(cluster):
+    api, model = _openai(cluster), _model(cluster)
+    before = (len(cluster.scheduler.service.core.steps), cluster.scheduler.core.version)
+    with pytest.raises(openai.NotFoundError) as e:
+        await api.chat.completions.create(model="no-such-model", messages=CHAT, max_tokens=4)
+    assert e.value.body["param"] == "model"
+    user = [{"role": "user", "content": "x"}]
+    for kwargs, param in [({"n": 0}, "n"), ({"max_tokens": -1}, "max_tokens"),
+                          ({"max_completion_tokens": -1}, "max_completion_tokens"),
+                          ({"logprobs": True, "top_logprobs": 2}, "top_logprobs"),
+                          ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+                          ({"messages": "hello"}, "messages"), ({"messages": []}, "messages"),
+                          ({"messages": [{"role": "user"}]}, "messages"),
+                          ({"messages": [{"role": "wizard", "content": "x"}]}, "messages")]:
+        args = {"messages": user, "max_tokens": 4, **kwargs}
+        with pytest.raises(openai.BadRequestError) as e:
+            await api.chat.completions.create(model=model, **args)
+        assert e.value.status_code == 400
+        assert e.value.body["param"] == param, e.value.body
+        assert param in e.value.body["message"]
+    status, body = await _post_raw(cluster, b'{"messages": [', "/v1/chat/completions")
+    assert status == 400 and body["error"]["param"] is None
+    assert (len(cluster.scheduler.service.core.steps), cluster.scheduler.core.version) == before

@@ -12,12 +12,18 @@ default), heartbeats, answers ``LoadPolicy`` and ``DraftJob`` at once, and eithe
 Completions are deterministic: ``min(max_tokens, 4)`` tokens derived from the prompt, so a
 test can tell which worker's answer reached the trainer. ``fail``: a function of the
 assignment that returns a reason to answer it with ``Aborted`` instead (None: run it).
+
+``ControlCall`` (weight transfer, prefix-cache reset) is recorded in ``controls`` and answered
+at once: ``control`` is a function of the call that returns None (ok; ``reset_prefix_cache``
+answers ``{"success": true}``), a dict (ok, that JSON result), a string (failed, that error)
+or ``FakeWorker.HOLD`` (no answer).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import Callable
 
@@ -29,6 +35,7 @@ from bubblespec.api.v1 import rollout_pb2_grpc as pbg
 __all__ = ["FakeWorker", "fake_tokens", "wait_until"]
 
 _DEFAULT = object()
+_HOLD = object()
 
 
 def fake_tokens(prompt: tuple[int, ...] | list[int], max_tokens: int, vocab_size: int = 128) -> tuple[int, ...]:
@@ -47,6 +54,9 @@ async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what:
 
 
 class FakeWorker:
+    HOLD = _HOLD
+    """What ``control`` returns to leave a call unanswered."""
+
     def __init__(
         self,
         target: str,
@@ -63,6 +73,8 @@ class FakeWorker:
         first: pb.WorkerMessage | None | object = _DEFAULT,
         heartbeat_seconds: float = 0.5,
         fail: Callable[[pb.Assignment], str | None] | None = None,
+        tensor_parallel_size: int = 0,
+        control: Callable[[pb.ControlCall], dict | str | object | None] | None = None,
     ):
         """``first``: the opening message (default: a proper hello; None: send nothing and
         half-close at once, an empty stream)."""
@@ -76,8 +88,11 @@ class FakeWorker:
         self.heartbeat_seconds = heartbeat_seconds
         self.fail = fail
         self.failed: list[str] = []  # request keys answered with Aborted
+        self.control = control
+        self.controls: list[pb.ControlCall] = []  # every control call received, in order
         hello = pb.Hello(worker_id=worker_id, capacity=capacity, policy_version=policy_version,
-                         max_model_len=max_model_len, vocab_size=vocab_size, model="fake", speculation=speculation)
+                         max_model_len=max_model_len, vocab_size=vocab_size, model="fake", speculation=speculation,
+                         tensor_parallel_size=tensor_parallel_size)
         self.first = pb.WorkerMessage(hello=hello) if first is _DEFAULT else first
         self.assignments: dict[str, pb.Assignment] = {}  # held: assigned and not yet answered
         self.answered: list[str] = []
@@ -203,3 +218,19 @@ class FakeWorker:
             self.send(policy_loaded=pb.PolicyLoaded(version=msg.load_policy.version, ok=True, seconds=0.01))
         elif kind == "draft_job":
             self.send(draft_result=pb.DraftResult(job_id=msg.draft_job.job_id, tokens=0, finished=True))
+        elif kind == "control":
+            self._control(msg.control)
+
+    def _control(self, call: pb.ControlCall) -> None:
+        self.controls.append(call)
+        outcome = self.control(call) if self.control is not None else None
+        if outcome is _HOLD:
+            return
+        if isinstance(outcome, str):
+            self.send(control_result=pb.ControlResult(call_id=call.call_id, ok=False, error=outcome))
+            return
+        if outcome is None:
+            outcome = {"success": True} if call.op == pb.CONTROL_OP_RESET_PREFIX_CACHE else {}
+        if call.op == pb.CONTROL_OP_FINISH_WEIGHT_UPDATE:
+            self.version = call.policy_version
+        self.send(control_result=pb.ControlResult(call_id=call.call_id, ok=True, json=json.dumps(outcome)))

@@ -150,3 +150,18 @@ def test_work_moved_off_the_only_worker_of_its_mode_goes_back_to_it():
         c.heartbeat(w, 10.0)
     again = [a for a in c.tick() if isinstance(a, Assign)]
     assert [a.worker_id for a in again] == ["r"], "the processed worker cannot run it, so r takes it back"
+
+
+def test_a_draft_jobs_sampling_is_the_prompts_with_its_own_seed_and_the_workers_mode():
+    from dataclasses import replace
+
+    from bubblespec.scheduler.core.drafting import Upcoming, job_sampling
+
+    up = Upcoming((1, 2, 3), SamplingParams(temperature=0.8, top_k=5, max_tokens=64, seed=11, n=4), "s1")
+    a, b = job_sampling(up, DRAFT_SEEDS[0] + 5, "raw"), job_sampling(up, DRAFT_SEEDS[0] + 6, "processed")
+    assert a == replace(up.sampling, seed=DRAFT_SEEDS[0] + 5, logprobs_mode="raw")
+    assert hash(a) == hash(replace(up.sampling, seed=DRAFT_SEEDS[0] + 5, logprobs_mode="raw"))
+    assert b == replace(up.sampling, seed=DRAFT_SEEDS[0] + 6, logprobs_mode="processed")
+    assert up.sampling.seed == 11 and up.sampling.logprobs_mode == ""  # the prompt's own params are untouched
+    with pytest.raises(AttributeError):
+        a.seed = 1  # type: ignore[misc]  # still frozen

@@ -288,9 +288,11 @@ def test_cli_prints_a_table_with_speedups_against_static(capsys: pytest.CaptureF
     assert main(["--workers", "2,4", "--requests", "64", "--samples", "4", "--steps", "2",
                  "--max-tokens", "1024", "--policies", "queue,queue+drafts,static+drafts"]) == 0
     out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if line.startswith("| ") and "workers" not in line]
-    assert [r.split("|")[2].strip() for r in rows] == ["static", "queue", "queue+drafts", "static+drafts"] * 2
-    assert all(r.split("|")[4].strip() == "1.00x" for r in rows if r.split("|")[2].strip() == "static")
+    table = [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines() if line.startswith("| ")]
+    header, rows = table[0], [dict(zip(table[0], r)) for r in table[1:]]
+    assert "requests" in header and "per_seed" in header
+    assert [r["policy"] for r in rows] == ["static", "queue", "queue+drafts", "static+drafts"] * 2
+    assert all(r["speedup"] == "1.00x" for r in rows if r["policy"] == "static")
 
 
 def test_trace_workload_replays_recorded_lengths() -> None:
@@ -301,3 +303,57 @@ def test_trace_workload_replays_recorded_lengths() -> None:
     assert [s.summary.generated_tokens for s in r.steps] == [2 * 390, 2 * 370]
     with pytest.raises(ValueError):
         TraceWorkload(((30, 0),))
+
+
+# --- makespan attribution, CLI defaults ---------------------------------------------------------
+
+
+def test_tail_attribution_names_the_requests_that_end_the_step() -> None:
+    settings = SimSettings(capacity=64, samples=4, tail_requests=3)
+    r = run("queue", True, workers=16, settings=settings)
+    for s in r.steps:
+        assert len(s.tail) == 3
+        last = s.tail[0]
+        assert last.finished_seconds == pytest.approx(s.makespan_seconds)
+        assert [t.finished_seconds for t in s.tail] == sorted((t.finished_seconds for t in s.tail), reverse=True)
+        for t in s.tail:
+            assert 0 <= t.started_seconds <= t.finished_seconds and 0.0 <= t.coverage <= 1.0
+            assert t.forward_passes >= t.drafted_passes >= 0 and t.batch_at_start >= 1 and t.batch_at_finish >= 1
+            assert t.tokens_per_pass == pytest.approx(t.length / t.forward_passes)
+    assert any(t.source == "future" and t.draft_tokens > 0 and t.max_k >= 1 for t in r.steps[1].tail)
+    assert run("queue", True, workers=16, settings=SimSettings(capacity=64, samples=4)).steps[1].tail == ()
+
+
+def test_cli_prints_the_tail_of_every_reported_step(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--workers", "4", "--requests", "64", "--samples", "4", "--steps", "2", "--max-tokens", "1024",
+                 "--policies", "queue+drafts", "--tail", "2", "--seeds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("last 2 requests") == 4  # 2 policies x 2 seeds x 1 reported step
+    assert "undrafted_passes" in out and "s1/p" in out
+    rows = [line for line in out.splitlines() if line.startswith("| 4 ")]
+    assert all(len(r.split("|")[6].strip().split("/")) == 2 for r in rows)  # each seed's speedup
+
+
+def test_cli_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    options = capsys.readouterr().out.split("options:", 1)[1]
+    blocks = {b.split()[0].rstrip(","): " ".join(b.split()) for b in re.split(r"\n  (?=-)", options) if b.strip()}
+    blocks.pop("-h")
+    assert len(blocks) >= 16 and "--tail" in blocks and "--seeds" in blocks
+    for option, text in blocks.items():
+        assert "(default:" in text, option
+
+
+def test_default_requests_grow_with_the_worker_count() -> None:
+    from bubblespec.scheduler.sim.__main__ import requests_for
+
+    assert requests_for(8, "auto", 8) == 16384
+    assert requests_for(512, "auto", 8) == 32768
+    assert requests_for(4096, "auto", 8) == 262144
+    assert requests_for(100, "auto", 3) % 3 == 0
+    assert requests_for(4096, "1000", 8) == 1000
+    with pytest.raises(SystemExit, match="--requests"):
+        requests_for(8, "many", 8)

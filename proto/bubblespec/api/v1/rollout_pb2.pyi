@@ -19,6 +19,15 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+
+class ControlOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CONTROL_OP_UNSPECIFIED: _ClassVar[ControlOp]
+    CONTROL_OP_INIT_WEIGHT_TRANSFER: _ClassVar[ControlOp]
+    CONTROL_OP_START_WEIGHT_UPDATE: _ClassVar[ControlOp]
+    CONTROL_OP_UPDATE_WEIGHTS: _ClassVar[ControlOp]
+    CONTROL_OP_FINISH_WEIGHT_UPDATE: _ClassVar[ControlOp]
+    CONTROL_OP_RESET_PREFIX_CACHE: _ClassVar[ControlOp]
 SCHEDULING_POLICY_UNSPECIFIED: SchedulingPolicy
 SCHEDULING_POLICY_STATIC: SchedulingPolicy
 SCHEDULING_POLICY_QUEUE: SchedulingPolicy
@@ -26,6 +35,12 @@ SCHEDULING_POLICY_LONGEST_FIRST: SchedulingPolicy
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
+CONTROL_OP_UNSPECIFIED: ControlOp
+CONTROL_OP_INIT_WEIGHT_TRANSFER: ControlOp
+CONTROL_OP_START_WEIGHT_UPDATE: ControlOp
+CONTROL_OP_UPDATE_WEIGHTS: ControlOp
+CONTROL_OP_FINISH_WEIGHT_UPDATE: ControlOp
+CONTROL_OP_RESET_PREFIX_CACHE: ControlOp
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -246,7 +261,7 @@ class CancelResponse(_message.Message):
     def __init__(self, cancelled_requests: _Optional[int] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("worker_id", "capacity", "policy_version", "max_model_len", "vocab_size", "model", "speculation", "logprobs_mode")
+    __slots__ = ("worker_id", "capacity", "policy_version", "max_model_len", "vocab_size", "model", "speculation", "logprobs_mode", "tensor_parallel_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +270,7 @@ class Hello(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     capacity: int
     policy_version: int
@@ -263,7 +279,8 @@ class Hello(_message.Message):
     model: str
     speculation: bool
     logprobs_mode: str
-    def __init__(self, worker_id: _Optional[str] = ..., capacity: _Optional[int] = ..., policy_version: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model: _Optional[str] = ..., speculation: _Optional[bool] = ..., logprobs_mode: _Optional[str] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., capacity: _Optional[int] = ..., policy_version: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model: _Optional[str] = ..., speculation: _Optional[bool] = ..., logprobs_mode: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("running", "tokens_per_second")
@@ -322,7 +339,7 @@ class DraftResult(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., tokens: _Optional[int] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("hello", "heartbeat", "progress", "completion", "aborted", "policy_loaded", "draft_result")
+    __slots__ = ("hello", "heartbeat", "progress", "completion", "aborted", "policy_loaded", "draft_result", "control_result")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
@@ -330,6 +347,7 @@ class WorkerMessage(_message.Message):
     ABORTED_FIELD_NUMBER: _ClassVar[int]
     POLICY_LOADED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_RESULT_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_RESULT_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     heartbeat: Heartbeat
     progress: Progress
@@ -337,7 +355,8 @@ class WorkerMessage(_message.Message):
     aborted: Aborted
     policy_loaded: PolicyLoaded
     draft_result: DraftResult
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., completion: _Optional[_Union[WorkerCompletion, _Mapping]] = ..., aborted: _Optional[_Union[Aborted, _Mapping]] = ..., policy_loaded: _Optional[_Union[PolicyLoaded, _Mapping]] = ..., draft_result: _Optional[_Union[DraftResult, _Mapping]] = ...) -> None: ...
+    control_result: ControlResult
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., completion: _Optional[_Union[WorkerCompletion, _Mapping]] = ..., aborted: _Optional[_Union[Aborted, _Mapping]] = ..., policy_loaded: _Optional[_Union[PolicyLoaded, _Mapping]] = ..., draft_result: _Optional[_Union[DraftResult, _Mapping]] = ..., control_result: _Optional[_Union[ControlResult, _Mapping]] = ...) -> None: ...
 
 class Assignment(_message.Message):
     __slots__ = ("request_key", "step_id", "prompt_id", "sample_index", "prompt_token_ids", "sampling", "policy_version", "use_drafts", "group_size")
@@ -395,16 +414,42 @@ class StopDraft(_message.Message):
     job_id: str
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
+class ControlCall(_message.Message):
+    __slots__ = ("call_id", "op", "json", "policy_version")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    call_id: str
+    op: ControlOp
+    json: str
+    policy_version: int
+    def __init__(self, call_id: _Optional[str] = ..., op: _Optional[_Union[ControlOp, str]] = ..., json: _Optional[str] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
+class ControlResult(_message.Message):
+    __slots__ = ("call_id", "ok", "error", "json")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    call_id: str
+    ok: bool
+    error: str
+    json: str
+    def __init__(self, call_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., json: _Optional[str] = ...) -> None: ...
+
 class SchedulerMessage(_message.Message):
-    __slots__ = ("assign", "abort", "load_policy", "draft_job", "stop_draft")
+    __slots__ = ("assign", "abort", "load_policy", "draft_job", "stop_draft", "control")
     ASSIGN_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
     LOAD_POLICY_FIELD_NUMBER: _ClassVar[int]
     DRAFT_JOB_FIELD_NUMBER: _ClassVar[int]
     STOP_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_FIELD_NUMBER: _ClassVar[int]
     assign: Assignment
     abort: Abort
     load_policy: LoadPolicy
     draft_job: DraftJob
     stop_draft: StopDraft
-    def __init__(self, assign: _Optional[_Union[Assignment, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., load_policy: _Optional[_Union[LoadPolicy, _Mapping]] = ..., draft_job: _Optional[_Union[DraftJob, _Mapping]] = ..., stop_draft: _Optional[_Union[StopDraft, _Mapping]] = ...) -> None: ...
+    control: ControlCall
+    def __init__(self, assign: _Optional[_Union[Assignment, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., load_policy: _Optional[_Union[LoadPolicy, _Mapping]] = ..., draft_job: _Optional[_Union[DraftJob, _Mapping]] = ..., stop_draft: _Optional[_Union[StopDraft, _Mapping]] = ..., control: _Optional[_Union[ControlCall, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,377 @@
+"""TRL adapters: lookahead announcements and a directory weight sync for ``vllm_mode="server"``.
+
+TRL's ``GRPOTrainer`` (and ``RLOOTrainer``) in server mode talk to the scheduler's HTTP port as
+they talk to ``vllm serve`` (``vllm_server_base_url="http://scheduler:8080"``). This module adds
+what TRL does not do by itself (docs/INTEGRATIONS.md, "TRL"):
+
+* ``BubbleSpecLookahead``: a ``TrainerCallback`` that announces the prompts of the next
+  generation rounds over gRPC (``Announce``), so that idle workers draft them under the current
+  policy. It replays the trainer's sampler, so the announced token ids are the ones TRL will send.
+* ``DirectoryWeightSync``: TRL's ``VLLMGeneration`` whose weight sync saves the policy to a fresh
+  directory and POSTs ``/update_weights {"weight_dir": ...}`` (the scheduler's policy-version
+  barrier) instead of joining vLLM's NCCL weight-transfer group, which TRL refuses to do from a
+  non-CUDA trainer: ``NotImplementedError: Weight synchronization runs on vLLM's NCCL
+  weight-transfer engine, which needs a CUDA device, got 'cpu'. Generation through the server is
+  unaffected.`` (``VLLMClient.init_communicator``).
+* ``BubbleSpecVLLMClient``: TRL's ``VLLMClient`` that sends ``Authorization: Bearer <token>``
+  (TRL's own client sends none, so it cannot reach a scheduler that has a trainer token).
+
+Needs ``pip install 'bubblespec[trl]'``; TRL's server-mode client also needs vLLM importable in
+the trainer's environment (its own check).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import shutil
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+try:
+    import torch
+    from torch.utils.data import SequentialSampler
+    from transformers import TrainerCallback
+    from trl.generation.vllm_client import VLLMClient
+    from trl.generation.vllm_generation import VLLMGeneration
+    from trl.trainer.utils import RepeatSampler
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        f"bubblespec.integrations.trl needs TRL >= 1.11 and transformers: pip install 'bubblespec[trl]' ({exc})"
+    ) from exc
+
+from bubblespec.client import ClientSettings, Retry, RolloutClient, SamplingParams
+
+__all__ = [
+    "BubbleSpecLookahead", "BubbleSpecVLLMClient", "DirectoryWeightSync", "PromptSchedule", "RoundShape", "find_sampler",
+    "lookahead_sampling", "replayable_copy", "tokenize_prompts",
+]
+
+logger = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------- which prompts come next
+
+
+@dataclass(frozen=True)
+class RoundShape:
+    """How GRPOTrainer's dataloader stream maps onto generation rounds (one ``/v1/completions``
+    call each): a global batch is ``items_per_round`` sampler indices, each prompt repeated
+    ``repeats`` times in a row; a round is generated every ``batches_per_round`` batches (the
+    batches in between repeat it); an optimizer step consumes ``grad_accum`` batches."""
+
+    items_per_round: int
+    """``generation_batch_size``: sampler indices per global batch (all processes)."""
+    repeats: int = 1
+    """``num_generations``: consecutive copies of each prompt index in a batch."""
+    batches_per_round: int = 1
+    """``steps_per_generation * num_iterations``: batches from one generation to the next."""
+    grad_accum: int = 1
+    """``gradient_accumulation_steps``: batches per optimizer step."""
+
+    def __post_init__(self) -> None:
+        for name in ("items_per_round", "repeats", "batches_per_round", "grad_accum"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be a positive int, got {getattr(self, name)!r}")
+        if self.items_per_round % self.repeats:
+            raise ValueError(f"items_per_round: {self.items_per_round} is not a multiple of repeats {self.repeats}")
+
+    @classmethod
+    def from_args(cls, args: Any) -> RoundShape:
+        """From a ``GRPOConfig`` / ``RLOOConfig`` (after its ``__post_init__`` filled the sizes)."""
+        return cls(items_per_round=args.generation_batch_size, repeats=args.num_generations,
+                   batches_per_round=args.steps_per_generation * getattr(args, "num_iterations", 1),
+                   grad_accum=args.gradient_accumulation_steps)
+
+    def next_round(self, global_step: int) -> int:
+        """The first round not generated yet after ``global_step`` optimizer steps (GRPOTrainer
+        generates at batch ``r * batches_per_round``; epochs of whole rounds, as RepeatSampler's)."""
+        return -(-global_step * self.grad_accum // self.batches_per_round)
+
+
+def replayable_copy(sampler: Any) -> Any | None:
+    """A copy of ``sampler`` that yields, epoch after epoch, the indices the original will yield
+    from now on; None when that order cannot be known in advance (a sampler other than TRL's
+    ``RepeatSampler`` or torch's ``SequentialSampler``, e.g. one seeded from the global RNG)."""
+    if isinstance(sampler, SequentialSampler):
+        return sampler
+    if not isinstance(sampler, RepeatSampler):
+        return None
+    twin = copy.copy(sampler)
+    if getattr(sampler, "shuffle", False):
+        twin.generator = torch.Generator()
+        twin.generator.set_state(sampler.generator.get_state())
+    return twin
+
+
+def find_sampler(dataloader: Any) -> Any | None:
+    """The index sampler behind a (possibly accelerate-prepared) dataloader."""
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    batch_sampler = getattr(batch_sampler, "batch_sampler", batch_sampler)  # accelerate's BatchSamplerShard
+    return getattr(batch_sampler, "sampler", None) or getattr(dataloader, "sampler", None)
+
+
+class PromptSchedule:
+    """Dataset indices of each generation round's prompts, in the order the trainer sends them
+    (``prompts[::num_generations]`` of the gathered batch), replayed from ``sampler`` (a
+    ``replayable_copy`` taken before the trainer iterates its own). A partial last batch of an
+    epoch, which RepeatSampler never yields, is not a round."""
+
+    def __init__(self, sampler: Any, shape: RoundShape):
+        self.shape = shape
+        self._rounds: list[list[int]] = []
+        self._source = self._replay(sampler)
+
+    def _replay(self, sampler: Any) -> Iterator[list[int]]:
+        s, batches = self.shape, 0
+        while True:
+            batch: list[int] = []
+            yielded = False
+            for index in sampler:  # one epoch
+                yielded = True
+                batch.append(int(index))
+                if len(batch) == s.items_per_round:
+                    if batches % s.batches_per_round == 0:
+                        yield batch[::s.repeats]
+                    batches += 1
+                    batch = []
+            if not yielded:
+                return
+
+    def round(self, r: int) -> list[int] | None:
+        """Round ``r``'s prompt indices (0 = the first generation of this training run), or
+        None past the end of an empty sampler."""
+        while len(self._rounds) <= r:
+            nxt = next(self._source, None)
+            if nxt is None:
+                return None
+            self._rounds.append(nxt)
+        return self._rounds[r]
+
+
+def tokenize_prompts(processing_class: Any, prompts: Sequence[Any],
+                     chat_template_kwargs: dict | None = None) -> list[list[int]]:
+    """Token ids of ``prompts`` as GRPOTrainer computes them for generation (its
+    ``_tokenize_prompts`` without tools, environments or images): conversations through the chat
+    template with the generation prompt, text through the tokenizer as is."""
+    from trl.data_utils import is_conversational
+
+    if is_conversational({"prompt": prompts[0]}):
+        out = processing_class.apply_chat_template(conversation=list(prompts), add_generation_prompt=True,
+                                                   tokenize=True, return_dict=True, **(chat_template_kwargs or {}))
+        return [list(ids) for ids in out["input_ids"]]
+    return [list(ids) for ids in processing_class(text=list(prompts))["input_ids"]]
+
+
+def lookahead_sampling(args: Any) -> SamplingParams:
+    """The sampling parameters TRL's server mode sends (``temperature``, ``top_p``, ``top_k``,
+    ``max_completion_length``, ``num_generations``; ``generation_kwargs`` override them as in
+    TRL's request body): draft jobs use the distribution the next rounds will sample from."""
+    body = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+            "max_tokens": args.max_completion_length, **(getattr(args, "generation_kwargs", None) or {})}
+    top_k = body.get("top_k")
+    return SamplingParams(temperature=float(body["temperature"]), top_p=float(body["top_p"]),
+                          top_k=-1 if top_k in (None, 0) else int(top_k), max_tokens=int(body["max_tokens"]),
+                          n=int(args.num_generations))
+
+
+# ----------------------------------------------------------------------------- the callback
+
+
+class BubbleSpecLookahead(TrainerCallback):
+    """Announce the next ``steps`` generation rounds' prompts to the scheduler, at train begin and
+    after every optimizer step, so idle workers draft them (``Announce``, gRPC).
+
+    ``trainer.add_callback(BubbleSpecLookahead("scheduler:50051", token=TOKEN, steps=2))``
+
+    The prompts come from a copy of the trainer's sampler taken at train begin (TRL's
+    ``RepeatSampler`` or a ``SequentialSampler``), tokenized as GRPOTrainer does
+    (``tokenize_prompts``; pass ``tokenize=`` for tools or a custom chat template). When the
+    order cannot be known (another sampler, an iterable dataset) nothing is announced and a
+    warning says why (``exact`` is then False). A resumed run's first epoch is replayed from
+    its start, so announcements can miss until the next epoch; that costs speed, never results.
+
+    A failed announcement only loses drafting speed: it is logged at WARNING with its reason,
+    counted in ``failures`` (``last_error`` holds the latest), and training goes on; the round is
+    tried again after the next step. Only the main process announces. Each call waits at most
+    ``timeout_seconds`` (no retries)."""
+
+    def __init__(self, target: str = "localhost:50051", *, token: str = "", steps: int = 2,
+                 timeout_seconds: float = 5.0, client: Any = None,
+                 tokenize: Callable[[list], list[list[int]]] | None = None):
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(f"steps: must be an int >= 1, got {steps!r}")
+        self.target, self.steps = target, steps
+        self._settings = ClientSettings(target=target, token=token, timeout_seconds=timeout_seconds,
+                                        retry=Retry(attempts=1))
+        self._client, self._owns_client = client, client is None
+        self._tokenize = tokenize
+        self.schedule: PromptSchedule | None = None
+        self.exact: bool | None = None
+        """Whether the next prompts are known exactly (set at train begin)."""
+        self.announced_rounds: dict[int, list[list[int]]] = {}
+        """Round -> the token ids announced for it (each round once, once it was accepted)."""
+        self.accepted = 0
+        self.failures = 0
+        self.last_error: str | None = None
+
+    def on_train_begin(self, args, state, control, train_dataloader=None, processing_class=None, **kwargs):
+        self._setup(args, train_dataloader, processing_class)
+        self._announce(state)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._announce(state)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._owns_client and self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def _setup(self, args, dataloader, processing_class) -> None:
+        self.shape = RoundShape.from_args(args)
+        self.sampling = lookahead_sampling(args)
+        sampler = find_sampler(dataloader)
+        twin = replayable_copy(sampler)
+        self.exact = twin is not None
+        if twin is None:
+            logger.warning("BubbleSpec lookahead: the trainer's prompt order cannot be known in advance (sampler %s); "
+                           "no prompts will be announced, rollouts run without future drafts",
+                           type(sampler).__name__)
+            return
+        self.schedule = PromptSchedule(twin, self.shape)
+        self.dataset = dataloader.dataset
+        if self._tokenize is None:
+            self._tokenize = functools.partial(tokenize_prompts, processing_class,
+                                               chat_template_kwargs=getattr(args, "chat_template_kwargs", None))
+
+    def _announce(self, state) -> None:
+        if self.schedule is None or not state.is_world_process_zero:
+            return
+        first = self.shape.next_round(state.global_step)
+        last = first + self.steps
+        if state.max_steps > 0:
+            last = min(last, self.shape.next_round(state.max_steps))
+        for r in range(first, last):
+            if r not in self.announced_rounds and not self._announce_round(r):
+                return
+
+    def _announce_round(self, r: int) -> bool:
+        try:
+            indices = self.schedule.round(r)
+            if indices is None:
+                return False
+            ids = self._tokenize([self.dataset[i]["prompt"] for i in indices])
+            if self._client is None:
+                self._client = RolloutClient(settings=self._settings)
+            self.accepted += self._client.announce(ids, self.sampling)
+        except Exception as exc:  # noqa: BLE001 - lookahead only speeds rollouts up: log, count, go on
+            self.failures += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            logger.warning("BubbleSpec lookahead: announcing generation round %d to %s failed (%s); its rollouts run "
+                           "without future drafts (%d failure(s) so far)", r, self.target, self.last_error,
+                           self.failures)
+            return False
+        self.announced_rounds[r] = ids
+        return True
+
+
+# ----------------------------------------------------------------------------- weight sync through a directory
+
+
+class BubbleSpecVLLMClient(VLLMClient):
+    """TRL's ``VLLMClient`` that sends ``Authorization: Bearer <token>`` on every call, with
+    ``update_weights_from_directory`` for the scheduler's ``/update_weights {"weight_dir"}``."""
+
+    def __init__(self, *args, token: str = "", **kwargs):
+        self._token = token
+        super().__init__(*args, **kwargs)
+
+    def check_server(self, *args, **kwargs):
+        # VLLMClient.__init__ calls this once its session exists, before its first authenticated call
+        if self._token:
+            self.session.headers["Authorization"] = f"Bearer {self._token}"
+        return super().check_server(*args, **kwargs)
+
+    def update_weights_from_directory(self, weight_dir: str) -> dict:
+        """Every live worker loads ``weight_dir`` as the next policy version; returns the answer
+        once all have (the barrier). Raises naming the status and the scheduler's message otherwise."""
+        return self._post(f"{self.base_url}/update_weights", json={"weight_dir": weight_dir})
+
+
+class DirectoryWeightSync(VLLMGeneration):
+    """TRL's server-mode generation with weight sync through a shared directory.
+
+    ``sync_weights`` gathers the policy's tensors (under the names vLLM loads, as TRL's NCCL path
+    streams them), writes ``config.json`` + ``model.safetensors`` to a fresh directory under
+    ``weights_root`` (visible to every worker), and POSTs ``/update_weights {"weight_dir"}``,
+    which returns once every worker serves the new version; the ``keep`` newest directories
+    are kept, older ones deleted. No NCCL group is joined, so it runs on CPU trainers too.
+    Construct it through ``DirectoryWeightSync.installed(...)`` around the trainer's constructor."""
+
+    def __init__(self, *args, weights_root: str | Path, token: str = "", keep: int = 2, **kwargs):
+        if not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep: must be an int >= 1, got {keep!r}")
+        self.weights_root, self.token, self.keep = Path(weights_root), token, keep
+        self.synced_dirs: list[Path] = []
+        """Directories written by this sync, oldest first (the ``keep`` newest remain on disk)."""
+        super().__init__(*args, **kwargs)
+
+    @classmethod
+    @contextmanager
+    def installed(cls, weights_root: str | Path, *, token: str = "", keep: int = 2, trainer_module: Any = None):
+        """While active, a TRL trainer constructed in the block builds this class instead of TRL's
+        ``VLLMGeneration`` (``trainer_module``: default ``trl.trainer.grpo_trainer``; pass
+        ``trl.trainer.rloo_trainer`` for RLOO). The trainer keeps it after the block."""
+        if trainer_module is None:
+            import trl.trainer.grpo_trainer as trainer_module
+        factory = functools.partial(cls, weights_root=weights_root, token=token, keep=keep)
+        saved = trainer_module.VLLMGeneration
+        trainer_module.VLLMGeneration = factory
+        try:
+            yield factory
+        finally:
+            trainer_module.VLLMGeneration = saved
+
+    def _init_vllm(self) -> None:
+        if self.mode != "server":
+            raise ValueError(f"vllm_mode: DirectoryWeightSync needs 'server', got {self.mode!r}")
+        if self.accelerator.is_main_process:
+            base_url = self.server_base_url or f"http://{self.server_host}:{self.server_port}"
+            self.vllm_client = BubbleSpecVLLMClient(base_url=base_url, group_port=self.group_port,
+                                                    connection_timeout=self.server_timeout, token=self.token)
+            self.weights_root.mkdir(parents=True, exist_ok=True)
+        self.accelerator.wait_for_everyone()
+
+    def sync_weights(self) -> None:
+        """Save the policy to a fresh directory and load it on every worker (see the class)."""
+        main = self.accelerator.is_main_process
+        tensors = {}
+        for name, param in self._iter_named_params():  # every process takes part in the gathers
+            if main:
+                tensors[name] = param.detach().to("cpu", copy=True).contiguous()
+        if main:
+            path = self._save(tensors)
+            self.vllm_client.update_weights_from_directory(str(path))
+            self._prune()
+        self.accelerator.wait_for_everyone()
+
+    def _save(self, tensors: dict) -> Path:
+        from safetensors.torch import save_file
+
+        path = self.weights_root / f"policy-{len(self.synced_dirs):06d}-{uuid.uuid4().hex[:8]}"
+        path.mkdir(parents=True)
+        model = self.accelerator.unwrap_model(self.model)
+        model.config.save_pretrained(str(path))
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        self.synced_dirs.append(path)
+        return path
+
+    def _prune(self) -> None:
+        for old in self.synced_dirs[:-self.keep]:
+            if old.exists():
+                shutil.rmtree(old)

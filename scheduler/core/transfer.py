@@ -1,0 +1,213 @@
+"""vLLM's weight-transfer protocol over many workers (pure): one trainer group, each worker's
+rank offset, and the policy version the transferred weights become.
+
+A trainer that syncs weights into vLLM over NCCL (TRL, SkyRL) opens one process group with
+the inference ranks (``POST /init_weight_transfer_engine {init_info}``) and then, per
+update, ``/start_weight_update`` -> ``/update_weights {update_info}`` (one or more) ->
+``/finish_weight_update {weight_version}``. BubbleSpec's workers are separate vLLM engines,
+so every call is fanned out to each of them (the shell: ``scheduler/weight_transfer.py``);
+this module decides what each worker gets and what the outcome means.
+
+- Rank mapping: the trainer's ``init_info`` has ``rank_offset`` R (its own ranks come first)
+  and ``world_size`` W. Workers, sorted by id, get offsets R, R + tp0, R + tp0 + tp1, ...
+  (tp: the worker's tensor-parallel size, its ranks in the group); W must be R + sum(tp).
+- The worker set is frozen at init: a worker that joined later is not in the trainer's group
+  and a worker lost since (or reconnected: its stream is new) may have missed part of it, so
+  the next call fails naming it; ``init_weight_transfer_engine`` again starts a new group.
+- Versions: ``start`` opens the policy barrier of ``SchedulerCore`` for version current+1
+  without loading anything (dispatch stops: no request runs on half-updated weights; a new
+  step is refused as during any update); ``finish`` answers the barrier for every member, so
+  the version moves (``PolicyReady``, journaled) only when all of them finished. Its weights
+  path is ``weight-transfer:<weight_version or version>``: a label, not a directory. A failed
+  call ends the barrier (``PolicyFailed``): the version stays, and members whose weights were
+  in flux serve nothing (version -1, as after a failed load) until an update succeeds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from bubblespec.scheduler.core.policy import PolicyBarrier
+from bubblespec.scheduler.core.types import Action, InvalidRequest
+
+if TYPE_CHECKING:
+    from bubblespec.scheduler.core.state import SchedulerCore, WorkerState
+
+__all__ = ["TRANSFER_PREFIX", "Member", "WeightTransfer"]
+
+TRANSFER_PREFIX = "weight-transfer:"
+"""Weights path of a version pushed by weight transfer (no directory holds it)."""
+
+
+@dataclass(frozen=True)
+class Member:
+    """A worker of the trainer's group: its first rank and how many it has."""
+
+    worker_id: str
+    rank_offset: int
+    tensor_parallel_size: int
+
+
+class WeightTransfer:
+    """The trainer's weight-transfer group and the update in progress, if any."""
+
+    def __init__(self, core: SchedulerCore):
+        self.core = core
+        self.members: dict[str, Member] = {}
+        """The group, frozen at init (worker id -> its ranks); empty before the first init."""
+        self.updating: int | None = None
+        """The version a started update becomes at finish; None outside start .. finish."""
+        self._joined: dict[str, WorkerState] = {}  # member -> its state at init (a reconnect is a new one)
+
+    # ------------------------------------------------------------------- init --
+
+    def plan_init(self, init_info: Any) -> dict[str, dict]:
+        """Each live worker's ``init_info`` (the trainer's, with the worker's own rank offset);
+        refuses a bad one naming the field. Changes nothing: ``commit_init`` once all agreed."""
+        if not isinstance(init_info, dict):
+            raise InvalidRequest("init_info", "must be a JSON object")
+        if self.updating is not None:
+            raise InvalidRequest("init_info", f"the weight update to version {self.updating} is in progress; "
+                                 "finish it first", "FAILED_PRECONDITION")
+        offset = _count(init_info, "rank_offset")
+        world = _count(init_info, "world_size")
+        workers = sorted(self.core.workers.values(), key=lambda w: w.hello.worker_id)
+        if not workers:
+            raise InvalidRequest("workers", "no worker is connected to join the weight-transfer group", "UNAVAILABLE")
+        ranks = sum(w.hello.tensor_parallel_size for w in workers)
+        if world != offset + ranks:
+            raise InvalidRequest("init_info.world_size", f"must be rank_offset {offset} + the ranks of the "
+                                 f"{len(workers)} connected worker(s) {ranks} = {offset + ranks}, got {world}")
+        plan: dict[str, dict] = {}
+        for w in workers:
+            plan[w.hello.worker_id] = {**init_info, "rank_offset": offset}
+            offset += w.hello.tensor_parallel_size
+        return plan
+
+    def commit_init(self, plan: dict[str, dict]) -> None:
+        """Every worker of ``plan`` joined the group: it is the one later calls go to."""
+        core = self.core
+        self.members = {wid: Member(wid, info["rank_offset"], core.workers[wid].hello.tensor_parallel_size)
+                        for wid, info in plan.items() if wid in core.workers}
+        self._joined = {wid: core.workers[wid] for wid in self.members}
+
+    def reset(self) -> None:
+        """Forget the group (a failed init: the trainer must init again)."""
+        self.members, self._joined = {}, {}
+
+    # ---------------------------------------------------------------- checks --
+
+    def check_members(self) -> None:
+        """Refuse when the live workers are not the group frozen at init, naming the odd one."""
+        if not self.members:
+            raise InvalidRequest("init_info", "no weight-transfer group: call /init_weight_transfer_engine first",
+                                 "FAILED_PRECONDITION")
+        workers = self.core.workers
+        for wid, m in sorted(self.members.items()):
+            if workers.get(wid) is not self._joined[wid]:
+                why = "left" if wid not in workers else "reconnected"
+                raise InvalidRequest("workers", f"worker {wid} (rank_offset {m.rank_offset}) {why} after "
+                                     "init_weight_transfer_engine and may have missed weights; call "
+                                     "/init_weight_transfer_engine again", "FAILED_PRECONDITION")
+        for wid in sorted(set(workers) - set(self.members)):
+            raise InvalidRequest("workers", f"worker {wid} joined after init_weight_transfer_engine: it is not in "
+                                 "the trainer's group and never gets its weights; call "
+                                 "/init_weight_transfer_engine again", "FAILED_PRECONDITION")
+
+    def plan_update(self, update_info: Any) -> dict[str, Any]:
+        """Each member's ``update_info``: the trainer's object, or its slice of a list (vLLM
+        indexes a list by the worker's rank in the group minus ``rank_offset``)."""
+        if isinstance(update_info, dict):
+            return {wid: update_info for wid in self.members}
+        ranks = sum(m.tensor_parallel_size for m in self.members.values())
+        if not isinstance(update_info, list) or not all(isinstance(x, dict) for x in update_info):
+            raise InvalidRequest("update_info", "must be a JSON object or a list of objects (one per worker rank)")
+        if len(update_info) != ranks:
+            raise InvalidRequest("update_info", f"a list must have one object per worker rank of the group, {ranks}, "
+                                 f"got {len(update_info)}")
+        base = min(m.rank_offset for m in self.members.values())
+        return {wid: update_info[m.rank_offset - base:m.rank_offset - base + m.tensor_parallel_size]
+                for wid, m in self.members.items()}
+
+    def check_updating(self, call: str) -> int:
+        if self.updating is None:
+            raise InvalidRequest("weight_version" if call == "finish" else "update_info",
+                                 "no weight update is in progress: call /start_weight_update first", "FAILED_PRECONDITION")
+        return self.updating
+
+    # ---------------------------------------------------------------- update --
+
+    def start(self) -> tuple[int, list[Action]]:
+        """Open the barrier for version current+1 (no weights to load: the trainer pushes them),
+        stopping dispatch and draft jobs on every member. Refused while a step runs (unless a
+        ``keep`` pause holds it) or another update is in progress."""
+        core = self.core
+        self.check_members()
+        if self.updating is not None:
+            raise InvalidRequest("weight_version", f"the weight update to version {self.updating} is already in "
+                                 "progress; finish it first", "ALREADY_EXISTS")
+        if core._barrier is not None:
+            raise InvalidRequest("weight_version", f"the update to policy version {core._barrier.version} is still "
+                                 "loading", "FAILED_PRECONDITION")
+        running = core.pauser.waiting()
+        if running:
+            raise InvalidRequest("weight_version", f"step {running[0]!r} is still running: wait for it or "
+                                 "POST /pause?mode=keep first", "FAILED_PRECONDITION")
+        version = core.version + 1
+        core._barrier = PolicyBarrier(version, f"{TRANSFER_PREFIX}{version}")
+        core._loading = set(self.members)
+        actions: list[Action] = []
+        now = core.clock()
+        for wid in self.members:
+            w = core.workers[wid]
+            actions += core._stop_drafts(w)
+            w.loading, w.load_failed = version, None
+            core._set_state(w, now)
+        self.updating = version
+        return version, actions
+
+    def finish(self, label: str, answers: dict[str, str | None]) -> list[Action]:
+        """Members answered ``finish_weight_update`` (worker -> None, or its error): every one
+        finished -> the version is the cluster's (weights path ``weight-transfer:<label>``);
+        else it stays, and a member that failed serves nothing until an update succeeds."""
+        version = self.check_updating("finish")
+        core = self.core
+        if core._barrier is not None and core._barrier.version == version:
+            core._barrier.weights_path = f"{TRANSFER_PREFIX}{label or version}"
+        self.updating = None
+        actions: list[Action] = []
+        for wid in sorted(self.members):
+            error = answers.get(wid, "did not answer finish_weight_update")
+            actions += core.on_policy_loaded(wid, version, error is None, error or "", weights_unknown=error is not None)
+        return actions + self._close(version)
+
+    def abort(self, answers: dict[str, str | None], reason: str = "") -> list[Action]:
+        """``start`` or ``update`` failed on a member (worker -> its error; None: it succeeded),
+        or the group broke (``reason``): the update is over and failed; every member's weights
+        are in flux, so none serves until an update succeeds."""
+        version = self.updating
+        if version is None:
+            return []
+        failed = ", ".join(sorted(wid for wid, e in answers.items() if e is not None)) or "a worker"
+        self.updating = None
+        actions: list[Action] = []
+        for wid in sorted(self.members):
+            error = answers.get(wid) or reason or f"the weight update was abandoned ({failed} failed)"
+            actions += self.core.on_policy_loaded(wid, version, False, error, weights_unknown=True)
+        return actions + self._close(version)
+
+    def _close(self, version: int) -> list[Action]:
+        """End the barrier if members that left kept it open (``on_policy_loaded`` ignores them)."""
+        core = self.core
+        if core._barrier is None or core._barrier.version != version:
+            return []
+        core._loading.clear()
+        return core._check_barrier()
+
+
+def _count(init_info: dict, name: str) -> int:
+    value = init_info.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidRequest(f"init_info.{name}", f"must be an integer >= 0, got {value!r:.40}")
+    return value

@@ -1,0 +1,222 @@
+"""``/v1/chat/completions`` with vLLM 0.32's request and response shapes, on the completions path.
+
+``messages`` are rendered with the model's chat template (the tokenizer directory's
+``chat_template.jinja``, else ``tokenizer_config.json``'s ``chat_template``) the way transformers'
+``apply_chat_template`` renders it: a sandboxed jinja2 environment, ``add_generation_prompt=True``,
+the tokenizer's special tokens as variables. The text is tokenized without added special tokens,
+as vLLM does for chat, and runs as a one-prompt ``/v1/completions`` step (``openai_api``): the same
+validation, drafting, straggler watch and exactness. Without a tokenizer or a chat template the
+call is refused with 400 naming ``messages``, as vLLM refuses it.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import cache
+from pathlib import Path
+from typing import ClassVar
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+
+from bubblespec.client.types import Prompt, SamplingParams
+from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits
+from bubblespec.scheduler.openai_api import _UNSUPPORTED, _Completions, _decoder, parse_sampling
+
+__all__ = ["ChatCompletions", "load_chat_template", "parse_messages", "render_chat"]
+
+ROLES = ("system", "user", "assistant")
+# transformers' SPECIAL_TOKENS_ATTRIBUTES: the variables apply_chat_template passes to a template
+_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# Fields of vLLM's ChatCompletionRequest that BubbleSpec does not implement: refused unless left at
+# their default (completions' list, less the fields chat does not have).
+_UNSUPPORTED_CHAT = {
+    **{k: v for k, v in _UNSUPPORTED.items() if k not in ("best_of", "suffix", "prompt_embeds")},
+    "tools": (None,), "tool_choice": (None, "none", "auto"), "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False), "chat_template": (None,), "chat_template_kwargs": (None, {}),
+    "documents": (None,), "logprob_token_ids": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "reasoning_effort": (None,), "thinking_token_budget": (None,),
+}
+_NO_TEMPLATE = ("the model has no chat template (chat_template.jinja or tokenizer_config.json's chat_template "
+                "in the scheduler's tokenizer directory); as in vLLM, no default chat template is used")
+
+
+@cache
+def load_chat_template(tokenizer: str) -> tuple[str | None, dict[str, str]]:
+    """(chat template or None, special tokens) of a tokenizer directory, or of a tokenizer.json's
+    directory. As transformers loads them: ``chat_template.jinja`` over the config's entry, a list of
+    named templates gives its "default"; special tokens from special_tokens_map.json and
+    tokenizer_config.json (the latter first), as strings."""
+    d = Path(tokenizer)
+    d = d if d.is_dir() else d.parent
+    config: dict = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        if (d / name).is_file():
+            config.update(json.loads((d / name).read_text(encoding="utf-8")))
+    template = config.get("chat_template")
+    if (d / "chat_template.jinja").is_file():
+        template = (d / "chat_template.jinja").read_text(encoding="utf-8")
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    special = {k: v.get("content") if isinstance(v, dict) else v for k, v in config.items() if k in _SPECIAL}
+    return (template if isinstance(template, str) else None), {k: v for k, v in special.items() if isinstance(v, str)}
+
+
+class _Generation(jinja2.ext.Extension):
+    """transformers' ``{% generation %}`` tag (assistant-mask tracking): rendered as its body."""
+
+    tags: ClassVar[set[str]] = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
+
+
+def _raise(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@cache
+def _compiled(template: str) -> jinja2.Template:
+    """transformers' environment: sandboxed, trim_blocks and lstrip_blocks, loop controls, its
+    ``tojson`` filter and its ``raise_exception`` and ``strftime_now`` globals."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[_Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def render_chat(template: str, messages: list[dict], special: dict[str, str]) -> str:
+    """The prompt text, as ``tokenizer.apply_chat_template(messages, tokenize=False,
+    add_generation_prompt=True)`` renders it."""
+    try:
+        return _compiled(template).render(messages=messages, tools=None, documents=None,
+                                          add_generation_prompt=True, **special)
+    except (jinja2.TemplateError, TypeError) as exc:
+        raise InvalidRequest("messages", f"the chat template refused the conversation: {exc}") from None
+
+
+def _content(raw, i: int) -> str:
+    if isinstance(raw, str):
+        return raw
+    if isinstance(raw, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                     for p in raw):
+        return "\n".join(p["text"] for p in raw)  # vLLM's "string" content format
+    raise InvalidRequest("messages", f"messages[{i}].content must be a string or a list of text parts "
+                                     f"({{\"type\": \"text\", \"text\": ...}}), got {raw!r:.60}")
+
+
+def parse_messages(raw) -> list[dict]:
+    """``messages`` as the template sees them: role, text content, and name when given. Tool
+    calls, tool and function messages and non-text content are refused."""
+    if not isinstance(raw, list) or not raw:
+        raise InvalidRequest("messages", "must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise InvalidRequest("messages", f"messages[{i}] must be an object with role and content, got {m!r:.40}")
+        if m.get("role") not in ROLES:
+            raise InvalidRequest("messages", f"messages[{i}].role must be one of {', '.join(ROLES)} "
+                                             f"(tool calls are not supported), got {m.get('role')!r:.40}")
+        if m.get("tool_calls") or m.get("function_call"):
+            raise InvalidRequest("messages", f"messages[{i}]: tool calls are not supported by BubbleSpec")
+        message = {"role": m["role"], "content": _content(m.get("content"), i)}
+        if isinstance(m.get("name"), str):
+            message["name"] = m["name"]
+        out.append(message)
+    return out
+
+
+def _logprobs(ids, lps, token, text) -> dict:
+    """vLLM's chat logprobs: ``bytes`` are the decoded token's even when ``token`` is "token_id:<id>";
+    ``top_logprobs`` is empty (``top_logprobs`` 0, the only value BubbleSpec accepts)."""
+    return {"content": [{"token": token(t), "logprob": max(float(lp), -9999.0),
+                         "bytes": list(text(t).encode("utf-8", errors="replace")), "top_logprobs": []}
+                        for t, lp in zip(ids, lps, strict=False)]}
+
+
+class ChatCompletions(_Completions):
+    """One ``/v1/chat/completions`` call: one templated prompt, ``n`` choices."""
+
+    ID_PREFIX = "chatcmpl"
+
+    def __init__(self, scheduler, body: dict):
+        super().__init__(scheduler, body)
+        self.rename = {"prompt": "messages"}
+        if body.get("max_completion_tokens") is not None:
+            self.rename["max_tokens"] = "max_completion_tokens"
+        self.prompt_ids: tuple[int, ...] = ()
+
+    def prompts(self) -> list[Prompt]:
+        messages = parse_messages(self.body.get("messages"))
+        tok = self.scheduler.settings.tokenizer
+        template, special = load_chat_template(tok) if tok else (None, {})
+        if template is None:
+            raise InvalidRequest("messages", _NO_TEMPLATE)
+        text = render_chat(template, messages, special)
+        cap = self.scheduler.settings.limits.max_prompt_text_bytes
+        if len(text.encode("utf-8", "surrogatepass")) > cap:
+            raise InvalidRequest("messages", f"the templated prompt is over {cap} bytes")
+        self.prompt_ids = tuple(_decoder(tok).encode(text, add_special_tokens=False).ids)
+        return [Prompt("p0", token_ids=self.prompt_ids)]
+
+    def sampling(self, model: ModelLimits) -> SamplingParams:
+        """``max_completion_tokens`` over ``max_tokens``; neither: the rest of the model length (vLLM)."""
+        body = self.body
+        if body.get("logprobs") not in (None, True, False):
+            raise InvalidRequest("logprobs", f"must be a boolean, got {body.get('logprobs')!r:.40}")
+        if body.get("top_logprobs") not in (None, 0):
+            raise InvalidRequest("top_logprobs", f"must be 0: BubbleSpec returns the sampled token's logprob only, "
+                                                 f"not top-k alternatives; got {body.get('top_logprobs')!r:.40}")
+        limit = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None),
+                     max(1, model.max_model_len - len(self.prompt_ids)))
+        return parse_sampling({**body, "max_tokens": limit, "logprobs": None},
+                              self.scheduler.settings.default_logprobs_mode, _UNSUPPORTED_CHAT)
+
+    def choice(self, c, index: int, spec) -> dict:
+        message = {"role": "assistant", "content": c.text, "refusal": None, "annotations": None, "audio": None,
+                   "function_call": None, "reasoning": None}
+        return {"index": index, "message": message,
+                "logprobs": _logprobs(c.token_ids, c.logprobs, self.token, self.text) if self.body.get("logprobs")
+                else None,
+                "finish_reason": c.finish_reason.value, "stop_reason": None,
+                "token_ids": list(c.token_ids) if self.body.get("return_token_ids") else None}
+
+    def _prompt_ids(self) -> list[int] | None:
+        return list(self.prompt_ids) if self.body.get("return_token_ids") else None
+
+    def envelope(self, choices: list, usage: dict | None) -> dict:
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": choices, "service_tier": None, "system_fingerprint": None, "usage": usage,
+                "prompt_logprobs": None, "prompt_token_ids": self._prompt_ids()}
+
+    def _chunk(self, choices: list, **extra) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
+    def opening(self, spec) -> list[dict]:
+        """vLLM's first chunks: one role delta per choice, with the prompt's ids when asked."""
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}], prompt_token_ids=self._prompt_ids())
+                for i in range(spec.sampling.n)]
+
+    def chunk(self, choice: dict) -> dict:
+        delta = {"index": choice["index"], "delta": {"content": choice["message"]["content"]},
+                 **{k: choice[k] for k in ("logprobs", "finish_reason", "stop_reason", "token_ids")}}
+        return self._chunk([delta])
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return self._chunk([], usage=usage)
