@@ -29,12 +29,14 @@ from bubblespec.scheduler.core.validate import build_step
 if TYPE_CHECKING:
     from bubblespec.scheduler.server import Scheduler
 
-__all__ = ["create_router", "error", "openai_param", "parse_prompts", "parse_sampling"]
+__all__ = ["STATUS", "create_router", "error", "openai_param", "parse_prompts", "parse_sampling", "read_json",
+           "unauthorized"]
 
-_STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "ALREADY_EXISTS": 409, "NOT_FOUND": 404,
-           "UNAVAILABLE": 503, "CANCELLED": 499, "UNAUTHENTICATED": 401, "RESOURCE_EXHAUSTED": 413}
-_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "BadRequestError",
-          503: "ServiceUnavailableError"}
+STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "ALREADY_EXISTS": 409, "NOT_FOUND": 404,
+          "UNAVAILABLE": 503, "CANCELLED": 499, "UNAUTHENTICATED": 401, "RESOURCE_EXHAUSTED": 413, "INTERNAL": 500}
+"""HTTP status of an ``InvalidRequest`` code, on every OpenAI-shaped route of the scheduler."""
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 409: "ConflictError",
+          413: "BadRequestError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 # Fields of vLLM's CompletionRequest that BubbleSpec does not implement: refused unless left at
 # their default, so that no request is silently answered under other semantics than it asked for.
 _UNSUPPORTED = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),
@@ -65,7 +67,7 @@ def _refusal(exc: InvalidRequest, rename: dict[str, str] | None = None) -> JSONR
     param = openai_param(exc.field)
     param = (rename or {}).get(param, param)
     message = str(exc) if param is None else f"{param}: {str(exc).split(': ', 1)[-1]}"
-    return error(_STATUS.get(exc.code, 500), message, param)
+    return error(STATUS.get(exc.code, 500), message, param)
 
 
 def parse_prompts(raw: Any) -> list[Prompt]:
@@ -246,12 +248,16 @@ def _usage(spec, completions) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
 
-async def _read_json(request: Request, limit: int) -> dict:
+async def read_json(request: Request, limit: int, *, empty: dict | None = None) -> dict:
+    """The request's JSON object, read up to ``limit`` bytes; an empty body is ``empty`` when
+    given (vLLM's optional bodies), else refused."""
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > limit:
             raise InvalidRequest("request", f"body is over {limit} bytes", "RESOURCE_EXHAUSTED")
+    if empty is not None and not body.strip():
+        return dict(empty)
     try:
         parsed = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -261,16 +267,17 @@ async def _read_json(request: Request, limit: int) -> dict:
     return parsed
 
 
+def unauthorized(scheduler: Scheduler, request: Request) -> Response | None:
+    """401 in OpenAI's shape unless the request carries the trainer token (when the scheduler
+    has one); vLLM answers 401 for a missing and for a wrong key alike."""
+    from bubblespec.scheduler.auth import http_refusal
+
+    refusal = http_refusal(request.headers.get("authorization"), None, scheduler.settings.trainer_token)
+    return None if refusal is None else error(401, refusal[1].split(" (")[0], None)
+
+
 def create_router(scheduler: Scheduler) -> APIRouter:
     router = APIRouter()
-
-    def refused(request: Request) -> Response | None:
-        from bubblespec.scheduler.auth import http_refusal
-
-        refusal = http_refusal(request.headers.get("authorization"), None, scheduler.settings.trainer_token)
-        if refusal is None:
-            return None
-        return error(401, refusal[1].split(" (")[0], None)  # vLLM answers 401 for a missing or a wrong key
 
     @router.get("/health")
     async def health() -> Response:
@@ -278,7 +285,7 @@ def create_router(scheduler: Scheduler) -> APIRouter:
 
     @router.get("/v1/models")
     async def models(request: Request) -> Response:
-        if (refusal := refused(request)) is not None:
+        if (refusal := unauthorized(scheduler, request)) is not None:
             return refusal
         limits = scheduler.service.core.limits
         card = {"id": scheduler.settings.model_name(), "object": "model", "created": int(time.time()),
@@ -288,7 +295,7 @@ def create_router(scheduler: Scheduler) -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        if (refusal := refused(request)) is not None:
+        if (refusal := unauthorized(scheduler, request)) is not None:
             return refusal
         return await _serve(scheduler, request, _Completions)
 
@@ -296,7 +303,7 @@ def create_router(scheduler: Scheduler) -> APIRouter:
     async def chat_completions(request: Request) -> Response:
         from bubblespec.scheduler.openai_chat import ChatCompletions
 
-        if (refusal := refused(request)) is not None:
+        if (refusal := unauthorized(scheduler, request)) is not None:
             return refusal
         return await _serve(scheduler, request, ChatCompletions)
 
@@ -307,7 +314,7 @@ async def _serve(scheduler: Scheduler, request: Request, kind: type[_Completions
     """One completions or chat call: read, check the model, build the step, answer or stream."""
     rename: dict[str, str] = {}
     try:
-        body = await _read_json(request, scheduler.settings.limits.max_request_bytes)
+        body = await read_json(request, scheduler.settings.limits.max_request_bytes)
         call = kind(scheduler, body)
         rename = call.rename
         if body.get("model") and body.get("model") != call.model:  # vLLM: no model = the served one

@@ -22,24 +22,22 @@ nothing.
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from bubblespec.scheduler import weight_transfer
 from bubblespec.scheduler.core.pause import PAUSE_MODES
 from bubblespec.scheduler.core.types import InvalidRequest
 from bubblespec.scheduler.core.validate import check_weights_path
-from bubblespec.scheduler.openai_api import _read_json, _refusal, error
+from bubblespec.scheduler.openai_api import _refusal, error, read_json, unauthorized
 
 if TYPE_CHECKING:
     from bubblespec.scheduler.server import Scheduler
 
 __all__ = ["create_router", "server_config", "world_size"]
 
-_WEIGHT_TRANSFER = "bubblespec.scheduler.weight_transfer"
 _RENAME = {"weights_path": "weight_dir"}
 """``_refusal`` names the route's own field: a policy update's ``weights_path`` is ``weight_dir``."""
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
@@ -123,33 +121,12 @@ async def _update(scheduler: Scheduler, path: str) -> dict:
     return {"status": "ok", "policy_version": version, "workers": loaded}
 
 
-async def _weight_transfer(scheduler: Scheduler, body: dict) -> Response:
-    """vLLM's ``/update_weights {"update_info": ...}``, by the weight-transfer fan-out."""
-    if importlib.util.find_spec(_WEIGHT_TRANSFER) is None:
-        raise InvalidRequest("update_info", "vLLM's weight-transfer form is not available on this scheduler; "
-                             "send {\"weight_dir\": DIR} (a checkpoint directory every worker can read)")
-    from bubblespec.scheduler import weight_transfer
-
-    result = weight_transfer.update_weights(scheduler, body)
-    if inspect.isawaitable(result):
-        result = await result
-    return result if isinstance(result, Response) else JSONResponse(result)
-
-
 def create_router(scheduler: Scheduler) -> APIRouter:
     router = APIRouter()
 
-    def refused(request: Request) -> Response | None:
-        from bubblespec.scheduler.auth import http_refusal
-
-        refusal = http_refusal(request.headers.get("authorization"), None, scheduler.settings.trainer_token)
-        if refusal is None:
-            return None
-        return error(401, refusal[1].split(" (")[0], None)  # vLLM answers 401 for a missing or a wrong key
-
     async def answer(request: Request, handler) -> Response:
         """Auth, then ``handler()`` (a dict, or a Response), refusals in OpenAI's error shape."""
-        if (refusal := refused(request)) is not None:
+        if (refusal := unauthorized(scheduler, request)) is not None:
             return refusal
         try:
             result = await handler()
@@ -193,12 +170,12 @@ def create_router(scheduler: Scheduler) -> APIRouter:
     @router.post("/update_weights")
     async def update_weights(request: Request) -> Response:
         async def run():
-            body = await _read_json(request, scheduler.settings.limits.max_request_bytes)
+            body = await read_json(request, scheduler.settings.limits.max_request_bytes)
             if "update_info" in body:
                 if "weight_dir" in body:
                     raise InvalidRequest("weight_dir", "give either weight_dir (a checkpoint directory) or "
                                          "update_info (vLLM's weight transfer), not both")
-                return await _weight_transfer(scheduler, body)
+                return await weight_transfer.update_weights(scheduler, body)  # vLLM's NCCL form
             return await _update(scheduler, _weight_dir(body, scheduler.settings.limits))
         return await answer(request, run)
 

@@ -15,11 +15,10 @@ the OpenAI error shape. Off unless ``SchedulerSettings.weight_transfer_backend``
 
 from __future__ import annotations
 
-import json
 import logging
 import weakref
 from asyncio import Lock
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
@@ -27,6 +26,8 @@ from fastapi.responses import JSONResponse
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.scheduler.control import ControlAnswer
 from bubblespec.scheduler.core.types import InvalidRequest
+from bubblespec.scheduler.openai_api import STATUS, read_json, unauthorized
+from bubblespec.scheduler.openai_api import error as openai_error
 
 if TYPE_CHECKING:
     from bubblespec.scheduler.server import Scheduler
@@ -34,11 +35,6 @@ if TYPE_CHECKING:
 __all__ = ["create_router", "update_weights"]
 
 logger = logging.getLogger(__name__)
-_STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 409, "ALREADY_EXISTS": 409, "UNAVAILABLE": 503, "UNAUTHENTICATED": 401,
-           "RESOURCE_EXHAUSTED": 413,
-           "INTERNAL": 500}
-_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 409: "ConflictError", 500: "InternalServerError",
-          503: "ServiceUnavailableError"}
 MAX_LABEL_CHARS = 200
 """Longest ``weight_version`` label accepted."""
 _locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # service -> the lock its calls take
@@ -54,11 +50,9 @@ class WorkersFailed(InvalidRequest):
 
 
 def error(exc: InvalidRequest) -> JSONResponse:
-    """An OpenAI-shaped error naming the field."""
-    status = _STATUS.get(exc.code, 400)
-    body = {"error": {"message": str(exc), "type": _TYPES.get(status, "BadRequestError"), "param": exc.field,
-                      "code": status}}
-    return JSONResponse(body, status_code=status)
+    """An OpenAI-shaped error naming the field; a call in the wrong state is a conflict (409)."""
+    status = 409 if exc.code == "FAILED_PRECONDITION" else STATUS.get(exc.code, 400)
+    return openai_error(status, str(exc), exc.field)
 
 
 def _lock(scheduler: Scheduler) -> Lock:
@@ -184,35 +178,14 @@ async def _answer(scheduler: Scheduler, call, body: dict) -> Response:
 
 # ------------------------------------------------------------------ routes --
 
-async def _body(request: Request, limit: int) -> dict:
-    """The JSON object of the request; an empty body is ``{}`` (vLLM's optional bodies)."""
-    raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > limit:
-            raise InvalidRequest("request", f"body is over {limit} bytes", "RESOURCE_EXHAUSTED")
-    if not raw.strip():
-        return {}
-    try:
-        parsed: Any = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidRequest("request", f"body is not valid JSON: {exc}") from None
-    if not isinstance(parsed, dict):
-        raise InvalidRequest("request", "body must be a JSON object")
-    return parsed
-
-
 def create_router(scheduler: Scheduler) -> APIRouter:
     router = APIRouter()
 
     async def handle(request: Request, call) -> Response:
-        from bubblespec.scheduler.auth import http_refusal
-
-        refusal = http_refusal(request.headers.get("authorization"), None, scheduler.settings.trainer_token)
-        if refusal is not None:
-            return error(InvalidRequest("authorization", refusal[1].split(" (")[0], "UNAUTHENTICATED"))
+        if (refusal := unauthorized(scheduler, request)) is not None:
+            return refusal
         try:
-            body = await _body(request, scheduler.settings.limits.max_request_bytes)
+            body = await read_json(request, scheduler.settings.limits.max_request_bytes, empty={})
         except InvalidRequest as exc:
             return error(exc)
         return await _answer(scheduler, call, body)
