@@ -357,3 +357,27 @@ def test_default_requests_grow_with_the_worker_count() -> None:
     assert requests_for(4096, "1000", 8) == 1000
     with pytest.raises(SystemExit, match="--requests"):
         requests_for(8, "many", 8)
+
+
+def test_engine_self_drafts_past_the_draft_only_in_the_what_if() -> None:
+    e = engine()
+    e.add(0.0, Member("r", 200, draft_len=100, source="future", alpha=0.7, suffix_alpha=0.5))
+    t = e.commit(0.0)
+    assert e.due(t) == [] and e.draft_tokens == 1  # past the draft: self-drafts, k = 1 at acceptance 0.5
+    t2 = e.commit(t)
+    assert t2 == pytest.approx(t + 0.01 * 100 / 1.5)
+    (done,) = e.due(t2)
+    assert done.accepted == pytest.approx(100 - 100 / (1 + expected_accepted(0.7, 3)))
+    assert done.suffix_accepted == pytest.approx(100 - 100 / 1.5) and done.suffix_drafted == pytest.approx(100 / 1.5)
+    assert done.forward_passes(e.passes) + round(done.accepted + done.suffix_accepted) == 200
+
+
+def test_self_drafting_is_a_what_if_that_is_off_by_default() -> None:
+    assert AcceptanceModel().suffix == 0.0
+    plain = run("queue", True, steps=1)
+    what_if = simulate("queue", 4, 512, 1, GPU_H100_7B, True, 0, workload=SHORT, settings=WAVES,
+                       acceptance=AcceptanceModel(suffix=0.6))
+    assert plain.steps[0].summary.provenance.accepted("suffix") == 0
+    p = what_if.steps[0].summary.provenance
+    assert p.accepted("suffix") > 0 and p.forward_passes + p.accepted() == what_if.steps[0].summary.generated_tokens
+    assert what_if.steps[0].makespan_seconds < plain.steps[0].makespan_seconds

@@ -1,0 +1,82 @@
+"""Shared-queue dispatch by predicted work (core/balance.py), with the in-process core."""
+
+from __future__ import annotations
+
+from bubblespec.client.types import Prompt, SamplingParams, SchedulingPolicy
+from bubblespec.scheduler.core.types import Assign, StepFinished
+from bubblespec.scheduler.core.validate import Limits, build_step
+from tests.unit.test_core import LIMITS, complete, hello, make_core, of
+
+
+def prompts_step(step_id: str, token_ids: list[tuple[int, ...]], n: int = 1, policy=SchedulingPolicy.QUEUE):
+    return build_step(step_id=step_id, policy_version=0,
+                      prompts=[Prompt(f"p{i}", token_ids=t) for i, t in enumerate(token_ids)],
+                      sampling=SamplingParams(temperature=0.0, max_tokens=200, n=n),
+                      policy=policy, limits=Limits(), model=LIMITS)
+
+
+def split(assigns: list[Assign]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for a in assigns:
+        out.setdefault(a.worker_id, []).append(a.request.prompt_id)
+    return out
+
+
+def test_worker_holding_a_long_predicted_response_takes_fewer_others():
+    """Room for the whole step on each worker: by request count the long response's worker
+    took half the step; by predicted tokens it takes the long one alone."""
+    core, _ = make_core()
+    core.add_worker(hello("a", capacity=8))
+    core.add_worker(hello("b", capacity=8))
+    prompts = [(5, 6), (5, 7), (5, 8), (5, 9)]
+    for a in of(core.submit_step(prompts_step("s1", prompts)), Assign):  # history: p0 runs 100 tokens, the rest 10
+        complete(core, a, tokens=100 if a.request.prompt_id == "p0" else 10)
+    per = split(of(core.submit_step(prompts_step("s2", prompts)), Assign))
+    long_worker = next(w for w, ids in per.items() if "p0" in ids)
+    assert per[long_worker] == ["p0"]
+    assert sorted(per["b" if long_worker == "a" else "a"]) == ["p1", "p2", "p3"]
+
+
+def test_before_any_history_longer_prompts_are_spread_by_prompt_length():
+    core, _ = make_core()
+    core.add_worker(hello("a", capacity=8))
+    core.add_worker(hello("b", capacity=8))
+    long_prompt = tuple(range(5, 45))  # 40 tokens; the others 2
+    per = split(of(core.submit_step(prompts_step("s", [long_prompt, (5, 6), (5, 7), (5, 8)])), Assign))
+    long_worker = next(w for w, ids in per.items() if "p0" in ids)
+    assert per[long_worker] == ["p0"]
+
+
+def test_sample_groups_stay_together_and_every_request_runs_once():
+    core, _ = make_core()
+    core.add_worker(hello("a", capacity=4))
+    core.add_worker(hello("b", capacity=4))
+    prompts = [tuple(range(5, 5 + 2 + 3 * i)) for i in range(6)]  # 6 prompts x 2 samples, capacity for 8
+    assigns = of(core.submit_step(prompts_step("s", prompts, n=2)), Assign)
+    assert len(assigns) == 8 and {w: len(ids) for w, ids in split(assigns).items()} == {"a": 4, "b": 4}
+    workers = {}
+    for a in assigns:
+        workers.setdefault(a.request.prompt_id, set()).add(a.worker_id)
+    assert all(len(ws) == 1 for ws in workers.values())  # a prompt's samples on one worker
+    pending, finished, seen = list(assigns), [], []
+    while pending:
+        a = pending.pop(0)
+        seen.append(a.request.key)
+        actions = complete(core, a)
+        pending += of(actions, Assign)
+        finished += of(actions, StepFinished)
+    assert sorted(seen) == sorted(set(seen)) and len(seen) == 12 and finished
+
+
+def test_where_the_whole_queue_starts_now_the_longest_is_placed_first():
+    """FIFO placement put the long response (last in the queue) on a worker that already held
+    work; placed first, it runs alone."""
+    core, _ = make_core()
+    core.add_worker(hello("a", capacity=8))
+    core.add_worker(hello("b", capacity=8))
+    prompts = [(5, 6), (5, 7), (5, 8)]
+    for a in of(core.submit_step(prompts_step("s1", prompts)), Assign):  # history: p2 runs 100 tokens
+        complete(core, a, tokens=100 if a.request.prompt_id == "p2" else 10)
+    per = split(of(core.submit_step(prompts_step("s2", prompts)), Assign))
+    long_worker = next(w for w, ids in per.items() if "p2" in ids)
+    assert per[long_worker] == ["p2"]

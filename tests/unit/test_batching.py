@@ -1,0 +1,175 @@
+"""Batched completions on the control plane: real scheduler on loopback gRPC, a scripted worker
+on the real WorkerLink stream, the SDK's collector, the worker agent's outgoing stream, and the
+step journal on a real redis-server.
+
+- A worker may send several completions in one ``WorkerMessage.completions`` batch; each is
+  handled as a single ``completion`` message would be (a bad entry costs only itself).
+- A trainer that sets ``GenerateRequest.batch_completions`` gets the completions waiting at
+  once in ``CompletionBatch`` responses; one that does not (an older SDK) gets one per response.
+- The SDK's collector reads both, each completion once.
+- The agent sends completions queued together as one message, in order, never over its byte cap.
+- The journal writes a batch of a step's completions as one HSET (and one EXPIRE) per step key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import redis
+
+from bubblespec.api.v1 import rollout_pb2 as pb
+from bubblespec.api.v1 import rollout_pb2_grpc as pbg
+from bubblespec.client import _convert as cv
+from bubblespec.client._base import StepCollector
+from bubblespec.client.types import Completion, FinishReason, Provenance, SamplingParams
+from bubblespec.scheduler import service as service_module
+from bubblespec.scheduler.core.state import CoreSettings
+from bubblespec.scheduler.journal import StepJournal
+from bubblespec.scheduler.server import Scheduler
+from bubblespec.scheduler.settings import SchedulerSettings
+from bubblespec.store import StoreSettings
+from bubblespec.worker import agent as agent_module
+from bubblespec.worker.agent import WorkerAgent, WorkerSettings
+from tests.factories import generate_request
+from tests.support.fake_worker import FakeWorker, wait_until
+from tests.support.redis_server import RedisServer, redis_server_available
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
+PROMPTS = [(5, 6, 7), (8, 9), (10, 11, 12), (13, 14)]
+
+
+async def _held_step(batch: bool, prompts=PROMPTS, n: int = 2):
+    """A scheduler, a worker holding every request of a step, and the step's Generate call."""
+    scheduler = Scheduler(SchedulerSettings(host="127.0.0.1", grpc_port=0, http_port=-1,
+                                            core=CoreSettings(drafting=False)))
+    await scheduler.start()
+    worker = await FakeWorker(f"127.0.0.1:{scheduler.grpc_port}", "fw-b", capacity=16, auto=False).start()
+    await wait_until(lambda: "fw-b" in scheduler.core.workers, what="the worker to join")
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{scheduler.grpc_port}")
+    request = generate_request("s", prompts, GREEDY, n=n)
+    request.batch_completions = batch
+    call = pbg.RolloutStub(channel).Generate(request, timeout=30)
+    total = len(prompts) * n
+    await wait_until(lambda: len(worker.assignments) == total, what="every request to be assigned")
+    return scheduler, worker, channel, call
+
+
+async def _close(scheduler, worker, channel) -> None:
+    await worker.stop()
+    await channel.close()
+    await scheduler.stop(grace=0)
+
+
+def _batch_of(worker: FakeWorker, keys: list[str], **overrides) -> pb.WorkerMessage:
+    """One ``completions`` message answering ``keys`` (held assignments), in that order."""
+    entries = []
+    for key in keys:
+        a = worker.assignments.pop(key)
+        entries.append(worker.completion(a, **overrides.get(key, {})).completion)
+    return pb.WorkerMessage(completions=pb.WorkerCompletionBatch(completions=entries))
+
+
+async def test_a_worker_batch_is_handled_entry_by_entry_and_a_bad_entry_costs_only_itself(caplog):
+    scheduler, worker, channel, call = await _held_step(batch=False)
+    try:
+        keys = sorted(worker.assignments)
+        bad = keys[3]
+        worker.send(_batch_of(worker, keys[:6], **{bad: {"token_ids": [10_000] * 4}}))  # outside the vocabulary
+        await wait_until(lambda: len(scheduler.core.steps["s"].completions) == 5, what="five completions")
+        assert bad not in scheduler.core.steps["s"].completions
+        assert "completions[3]" in caplog.text  # named, and the entries after it were still taken
+        # the bad one is still the worker's; a later single completion (the old form) ends the step
+        worker.assignments[bad] = next(m.assign for m in worker.received if m.assign.request_key == bad)
+        worker.complete_all()
+        msgs = [m async for m in call]
+    finally:
+        await _close(scheduler, worker, channel)
+    kinds = [m.WhichOneof("event") for m in msgs]
+    assert kinds == ["completion"] * 8 + ["summary"]  # no batch_completions: one per response, as before
+    assert sorted(f"s/{m.completion.prompt_id}/{m.completion.sample_index}" for m in msgs[:-1]) == sorted(keys)
+
+
+async def test_a_trainer_that_asks_for_batches_gets_each_completion_once_in_batches(monkeypatch):
+    scheduler, worker, channel, call = await _held_step(batch=True)
+    try:
+        keys = sorted(worker.assignments)
+        one = worker.completion(worker.assignments[keys[0]]).completion.ByteSize()
+        monkeypatch.setattr(service_module, "BATCH_BYTES", 3 * one + 1)  # at most 3 of these per response
+        stream = aiter(call)
+        worker.send(_batch_of(worker, keys))  # all 8 reach the trainer's queue in one go
+        msgs = [await anext(stream) for _ in range(3)]
+        msgs += [m async for m in stream]
+    finally:
+        await _close(scheduler, worker, channel)
+    assert [m.WhichOneof("event") for m in msgs] == ["completions"] * 3 + ["summary"]
+    sizes = [len(m.completions.completions) for m in msgs[:-1]]
+    assert sizes == [3, 3, 2]
+    got = [f"s/{c.prompt_id}/{c.sample_index}" for m in msgs[:-1] for c in m.completions.completions]
+    assert got == keys  # in the order they were delivered, none twice
+    collector = StepCollector(generate_request("s", PROMPTS, GREEDY, n=2))
+    new = [c for m in msgs for c in collector.add_all(m)]
+    assert len(new) == 8 and collector.done
+
+
+def _completion(prompt_id: str, index: int) -> pb.Completion:
+    c = Completion("s", prompt_id, index, (4, 5), (-0.1, -0.2), "", FinishReason.STOP, 0, "w", 2,
+                   Provenance(forward_passes=2))
+    return cv.completion_to_pb(c)
+
+
+def test_the_collector_reads_batches_and_singles_each_completion_once():
+    collector = StepCollector(generate_request("s", PROMPTS[:2], GREEDY, n=2))
+    batch = pb.GenerateResponse(completions=pb.CompletionBatch(completions=[_completion("p0", 0), _completion("p0", 1)]))
+    assert [(c.prompt_id, c.sample_index) for c in collector.add_all(batch)] == [("p0", 0), ("p0", 1)]
+    assert collector.add_all(batch) == []  # a resend after a retry: nothing new
+    again = pb.GenerateResponse(completions=pb.CompletionBatch(completions=[_completion("p0", 1), _completion("p1", 0)]))
+    assert [(c.prompt_id, c.sample_index) for c in collector.add_all(again)] == [("p1", 0)]
+    single = pb.GenerateResponse(completion=_completion("p1", 1))
+    assert [(c.prompt_id, c.sample_index) for c in collector.add_all(single)] == [("p1", 1)]
+    assert len(collector.completions) == 4 and not collector.done  # no summary yet
+
+
+def _worker_completion(key: str, tokens: int = 2) -> pb.WorkerMessage:
+    c = pb.Completion(step_id="s", prompt_id=key, token_ids=[7] * tokens, logprobs=[-0.1] * tokens)
+    return pb.WorkerMessage(completion=pb.WorkerCompletion(request_key=key, completion=c))
+
+
+async def test_the_agent_sends_completions_queued_together_as_one_message_in_order(monkeypatch):
+    agent = WorkerAgent(WorkerSettings(worker_id="w"), engine=None)  # type: ignore[arg-type]
+    monkeypatch.setattr(agent_module, "BATCH_BYTES", 3 * _worker_completion("k0").completion.ByteSize() + 1)
+    beat = pb.WorkerMessage(heartbeat=pb.Heartbeat(running=1))
+    for msg in [_worker_completion("k0"), _worker_completion("k1"), beat, _worker_completion("k2"),
+                _worker_completion("big", tokens=100), *(_worker_completion(f"m{i}") for i in range(4)), None]:
+        agent.outbox.put_nowait(msg)
+    sent = [msg async for msg in agent._outgoing()]
+    shape = [[c.request_key for c in m.completions.completions] if m.WhichOneof("kind") == "completions"
+             else m.WhichOneof("kind") + (":" + m.completion.request_key if m.HasField("completion") else "")
+             for m in sent]
+    assert shape == [["k0", "k1"], "heartbeat", "completion:k2", "completion:big", ["m0", "m1", "m2"], "completion:m3"]
+
+
+@pytest.mark.skipif(not redis_server_available(), reason="redis-server is not installed")
+async def test_the_journal_writes_a_steps_completions_as_one_hset_per_batch():
+    with RedisServer() as server:
+        r = redis.Redis.from_url(server.url)
+        journal = StepJournal(StoreSettings(url=server.url), b"s" * 16)
+        journal.start()
+        try:
+            r.config_resetstat()
+            journal.save_step("s", "fp")
+            for i in range(50):
+                c = cv.completion_from_pb(_completion(f"p{i}", 0))
+                journal.save_completion(f"s/p{i}/0", c)
+            journal.finish_step("s")
+            journal.save_completion("s/late/0", cv.completion_from_pb(_completion("late", 0)))  # after the finish
+            await journal.flush()
+            calls = {k: v["calls"] for k, v in r.info("commandstats").items()}
+            fingerprint, done = await journal.load_step("s")
+        finally:
+            await journal.close()
+            r.close()
+    assert fingerprint == "fp" and sorted(done) == sorted([f"s/p{i}/0" for i in range(50)] + ["s/late/0"])
+    assert calls["cmdstat_hset"] == 2  # the 51 records and the fingerprint: one before the finish, one after
+    assert calls["cmdstat_expire"] == 3
