@@ -4,7 +4,6 @@ workload, the simulated engine, and whole simulated runs that drive the real Sch
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 from bubblespec.client.types import SchedulingPolicy
@@ -276,11 +275,9 @@ def test_simulate_refuses_bad_arguments() -> None:
     assert run("queue", False, steps=1).policy is SchedulingPolicy.QUEUE
 
 
-def test_a_small_scale_run_finishes_quickly() -> None:
-    started = time.perf_counter()
-    r = simulate("queue", 64, 4096, 2, CPU_TINY, True, seed=1)
-    assert r.steps[-1].delivered == 4096
-    assert time.perf_counter() - started < 15  # about 1 s here; generous for slow CI machines
+def test_a_64_worker_run_delivers_every_request_of_every_step() -> None:
+    r = simulate("queue", 64, 4096, 2, CPU_TINY, True, seed=1)  # its speed is LOAD.md's / SIMULATOR.md's, not a test's
+    assert [s.delivered for s in r.steps] == [4096, 4096]
     assert math.isfinite(r.mean("makespan_seconds"))
 
 
