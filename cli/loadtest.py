@@ -7,8 +7,10 @@ What runs (docs/LOAD.md has the how-to and a measured run):
 - the scheduler in a child process (``python -m bubblespec.cli.loadtest --scheduler-child``):
   the real ``Scheduler`` (gRPC, HTTP, metrics, ticks, journal), alone in its process so that
   /proc/<pid> gives its own memory and CPU;
-- N ``WorkerAgent``s in this process, each driving a ``SimulatedEngine`` (no model) and
-  dialing the scheduler over loopback gRPC like any worker;
+- N ``WorkerAgent``s in worker processes of their own (``cli/loadtest_workers.py``; one per
+  CPU core by default, each hosting a share), each driving a ``SimulatedEngine`` (no model)
+  and dialing the scheduler over loopback gRPC like any worker: the load generator neither
+  starves the trainer nor shares its event loop;
 - the trainer: ``AsyncRolloutClient`` runs S steps, each ``UpdatePolicy`` (the barrier every
   worker passes; on by default) then ``Generate(prompts x samples, lookahead = next step's
   prompts)``. Every step has fresh prompts, as an epoch over a large data set has.
@@ -21,7 +23,8 @@ Measured per step:
   until its ``Assignment`` reached that worker's agent. Dispatchable means: the trainer sent
   ``Generate`` (requests that fit the workers' free slots, "first wave"), or, for a request
   that waited for a slot, the worker sent the completion that freed the slot ("refill": the
-  worker -> scheduler -> worker round trip). Both ends are read on one clock (this process);
+  worker -> scheduler -> worker round trip). Both ends are read with ``time.monotonic()``, one
+  clock for every process of the machine;
 - scheduler memory: VmRSS of the scheduler process after the step, and its peak sampled
   every 0.25 s during the step; scheduler CPU seconds in the step.
 
@@ -48,7 +51,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -63,7 +65,9 @@ class LoadSettings:
     """One load-test run."""
 
     workers: int = 64
-    """Simulated-engine workers (agents in this process, each with its own gRPC stream)."""
+    """Simulated-engine workers (agents in the worker processes, each with its own gRPC stream)."""
+    worker_processes: int = 0
+    """Processes hosting the workers, each a share of them (0 = one per CPU core, at most ``workers``)."""
     steps: int = 20
     """Rollout steps."""
     prompts: int = 512
@@ -93,7 +97,7 @@ class LoadSettings:
     port, or the in-process memory store if none is installed; 'memory' = no Redis)."""
     worker_store: Literal["redis", "memory"] = "redis"
     """Workers' draft store: 'redis' (the Redis above, one client per worker, as deployed) or
-    'memory' (one in-process store per worker: keeps this process's CPU for the agents)."""
+    'memory' (one in-process store per worker: keeps the worker processes' CPU for the agents)."""
     seed: int = 0
     """Seed of the prompts and of the sampling seeds."""
     trace_memory: bool = False
@@ -295,80 +299,21 @@ def _write_trace(path: str, top: int = 25) -> None:
 # ------------------------------------------------------------------------ instrumentation --
 
 
-class DispatchProbe:
-    """Dispatch latency as the workers see it: free slots (FIFO per worker) vs assignments."""
-
-    def __init__(self) -> None:
-        self.free: dict[str, deque[tuple[float, bool]]] = {}
-        self.first: list[float] = []
-        self.refill: list[float] = []
-        self.unmatched = 0
-        self.completions_sent = 0
-
-    def step_started(self, now: float, capacities: dict[str, int]) -> None:
-        """Every slot of every worker is free (the previous step has ended) from ``now`` on."""
-        self.free = {wid: deque([(now, True)] * cap) for wid, cap in capacities.items()}
-        self.first, self.refill = [], []
-        self.unmatched = self.completions_sent = 0
-
-    def slot_freed(self, worker_id: str, now: float) -> None:
-        self.free.setdefault(worker_id, deque()).append((now, False))
-        self.completions_sent += 1
-
-    def assigned(self, worker_id: str, now: float) -> None:
-        slots = self.free.get(worker_id)
-        if not slots:
-            self.unmatched += 1
-            return
-        since, first = slots.popleft()
-        (self.first if first else self.refill).append(now - since)
-
-
-def _timed_agent_class():
-    from bubblespec.worker.agent import WorkerAgent
-
-    class TimedAgent(WorkerAgent):
-        """A WorkerAgent that stamps when assignments arrive and when completions leave."""
-
-        def __init__(self, settings, engine, store, probe: DispatchProbe):
-            super().__init__(settings, engine, store)
-            self.probe = probe
-
-        async def _handle(self, msg) -> None:
-            if msg.WhichOneof("kind") == "assign":
-                self.probe.assigned(self.worker_id, time.monotonic())
-            await super()._handle(msg)
-
-        def _send(self, **kind) -> None:
-            if "completion" in kind:
-                self.probe.slot_freed(self.worker_id, time.monotonic())
-            super()._send(**kind)
-
-    return TimedAgent
-
-
 class _Sampler:
-    """Background sampling: scheduler RSS peak and this process's event-loop lag."""
+    """Background sampling: the scheduler's RSS peak."""
 
     def __init__(self, scheduler: _SchedulerProcess) -> None:
         self.scheduler = scheduler
         self.rss_peak = 0.0
-        self.lags: list[float] = []
         self._task: asyncio.Task | None = None
 
     def reset(self) -> None:
         self.rss_peak = self.scheduler.rss_mib()
-        self.lags = []
 
-    async def _run(self, period: float = 0.05) -> None:
-        ticks = 0
+    async def _run(self, period: float = 0.25) -> None:
         while True:
-            before = time.monotonic()
             await asyncio.sleep(period)
-            self.lags.append(time.monotonic() - before - period)
-            ticks += 1
-            if ticks % 5 == 0:
-                self.rss_peak = max(self.rss_peak, self.scheduler.rss_mib())
+            self.rss_peak = max(self.rss_peak, self.scheduler.rss_mib())
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -403,6 +348,7 @@ class StepRecord:
     scheduler_rss_peak_mib: float
     scheduler_cpu_share: float
     harness_cpu_share: float
+    workers_cpu_share: float
     loop_lag_p99_ms: float
     loop_lag_max_ms: float
     generated_tokens: int
@@ -435,10 +381,9 @@ def _collector_class():
 
         raw = 0
 
-        def add(self, msg):
-            if msg.WhichOneof("event") == "completion":
-                self.raw += 1
-            return super().add(msg)
+        def _add(self, completion):
+            self.raw += 1  # every completion on the wire, alone or in a batch
+            return super()._add(completion)
 
     return CountingCollector
 
@@ -454,16 +399,12 @@ class _Harness:
         self.redis: _RedisProcess | None = None
         self.redis_url = ""
         self.scheduler: _SchedulerProcess | None = None
-        self.stores: list = []
-        self.probe = DispatchProbe()
-        self.agents: list = []
-        self.engines: list = []
-        self._tasks: list[asyncio.Task] = []
+        self.workers = None  # loadtest_workers.WorkerProcesses
         self.memory_trace = ""
         self.latencies: dict[str, list[float]] = {"first": [], "refill": []}  # seconds, all steps
 
     async def start(self) -> None:
-        from bubblespec.store import StoreSettings, open_store
+        from bubblespec.cli.loadtest_workers import WorkerProcesses
 
         s = self.settings
         if s.redis_url == "memory" or (not s.redis_url and shutil.which("redis-server") is None):
@@ -478,29 +419,8 @@ class _Harness:
         if s.worker_store not in ("redis", "memory"):
             raise ValueError(f"worker_store must be 'redis' or 'memory', got {s.worker_store!r}")
         url = self.redis_url if s.worker_store == "redis" else ""
-        await self._start_workers(lambda: open_store(StoreSettings(url=url), resilient=True))
-
-    async def _start_workers(self, open_store) -> None:
-        """One simulated engine, agent and draft store (own Redis pool, as deployed) per worker."""
-        from bubblespec.worker.agent import WorkerSettings
-        from bubblespec.worker.engine import EngineSettings
-        from bubblespec.worker.sim_engine import SimEngineSettings, SimulatedEngine
-
-        s = self.settings
-        max_len = s.max_tokens + 2 * s.prompt_tokens + 8
-        sim = SimEngineSettings(step_seconds=s.step_seconds, batch_slope_seconds=s.batch_slope_seconds,
-                                max_model_len=max_len, max_num_seqs=s.capacity, median_tokens=s.median_tokens)
-        agent_cls = _timed_agent_class()
-        for i in range(s.workers):
-            engine = SimulatedEngine(_replace(sim, seed=s.seed * 1000 + i))
-            await engine.start()
-            ws = WorkerSettings(scheduler=self.scheduler.target, worker_id=f"sim-{i}",
-                                engine=EngineSettings(model="simulated", max_model_len=max_len, max_num_seqs=s.capacity))
-            self.stores.append(open_store())
-            agent = agent_cls(ws, engine, self.stores[-1], self.probe)
-            self.engines.append(engine)
-            self.agents.append(agent)
-            self._tasks.append(asyncio.create_task(agent.run()))
+        self.workers = WorkerProcesses(s, self.scheduler.target, url)
+        await self.workers.start()
 
     async def wait_for_workers(self, client, timeout: float = 120.0) -> int:
         deadline = time.monotonic() + timeout
@@ -513,24 +433,13 @@ class _Harness:
             await asyncio.sleep(0.2)
 
     async def stop(self) -> None:
-        from bubblespec.worker.agent import stop_agents
-
-        await stop_agents(self.agents, self._tasks)
-        for engine in self.engines:
-            await engine.shutdown()
-        for store in self.stores:
-            await store.close()
+        if self.workers is not None:
+            await self.workers.stop()
         if self.scheduler is not None:
             await asyncio.to_thread(self.scheduler.stop)
             self.memory_trace = self.scheduler.memory_trace()
         if self.redis is not None:
             self.redis.stop()
-
-
-def _replace(obj, **changes):
-    from dataclasses import replace
-
-    return replace(obj, **changes)
 
 
 async def _run_step(h: _Harness, client, step: int, version: int, sampler: _Sampler, run_id: str) -> StepRecord:
@@ -550,40 +459,46 @@ async def _run_step(h: _Harness, client, step: int, version: int, sampler: _Samp
     request = make_generate_request(step_id, version, prompts, sampling, s.samples, ahead, policy)
     collector = _collector_class()(request)
     sampler.reset()
+    await h.workers.step_started()
+    workers_cpu0 = sum(a["cpu"] for a in h.workers.last)
     cpu0, own0 = h.scheduler.cpu_seconds(), time.process_time()
     started = time.monotonic()
-    h.probe.step_started(started, {a.worker_id: s.capacity for a in h.agents})
     async for _ in client.stream(step_id, prompts, sampling, policy_version=version, n=s.samples,
                                  lookahead=ahead, policy=policy, _collector=collector):
         pass
     seconds = time.monotonic() - started
     cpu, own = h.scheduler.cpu_seconds() - cpu0, time.process_time() - own0
-    return _record(h, step, collector, seconds, update_seconds, cpu, own, sampler)
+    probe = await h.workers.collect(started)
+    probe["cpu"] -= workers_cpu0
+    return _record(h, step, collector, seconds, update_seconds, (cpu, own), probe, sampler)
 
 
-def _record(h: _Harness, step: int, collector, seconds: float, update_seconds: float, cpu: float, own: float,
-            sampler: _Sampler) -> StepRecord:
-    s, probe = h.settings, h.probe
-    h.latencies["first"] += probe.first
-    h.latencies["refill"] += probe.refill
+def _record(h: _Harness, step: int, collector, seconds: float, update_seconds: float, cpus: tuple[float, float],
+            probe: dict, sampler: _Sampler) -> StepRecord:
+    """One step's row; ``cpus``: CPU seconds of the scheduler and of this process in the step;
+    ``probe``: the worker processes' numbers (``WorkerProcesses.collect``)."""
+    s = h.settings
+    h.latencies["first"] += probe["first"]
+    h.latencies["refill"] += probe["refill"]
     expected = {(f"p{i}", k) for i in range(s.prompts) for k in range(s.samples)}
     got = set(collector.completions)
-    ms = [1000 * x for x in probe.first + probe.refill]
+    ms = [1000 * x for x in probe["first"] + probe["refill"]]
     summary = collector.summary
     return StepRecord(
-        step=step + 1, completions=len(got & expected), worker_completions_sent=probe.completions_sent,
+        step=step + 1, completions=len(got & expected), worker_completions_sent=probe["sent"],
         duplicates=collector.raw - len(collector.completions),
         missing=len(expected - got) + len(got - expected), seconds=seconds,
         completions_per_second=len(got) / seconds, makespan_seconds=summary.makespan_seconds,
         policy_update_seconds=update_seconds,
         dispatch_p50_ms=percentile(ms, 50), dispatch_p99_ms=percentile(ms, 99),
-        first_wave_p99_ms=percentile([1000 * x for x in probe.first], 99),
-        refill_p50_ms=percentile([1000 * x for x in probe.refill], 50),
-        refill_p99_ms=percentile([1000 * x for x in probe.refill], 99),
-        unmatched_assignments=probe.unmatched,
+        first_wave_p99_ms=percentile([1000 * x for x in probe["first"]], 99),
+        refill_p50_ms=percentile([1000 * x for x in probe["refill"]], 50),
+        refill_p99_ms=percentile([1000 * x for x in probe["refill"]], 99),
+        unmatched_assignments=probe["unmatched"],
         scheduler_rss_mib=h.scheduler.rss_mib(), scheduler_rss_peak_mib=sampler.rss_peak,
-        scheduler_cpu_share=cpu / seconds, harness_cpu_share=own / seconds,
-        loop_lag_p99_ms=1000 * percentile(sampler.lags, 99), loop_lag_max_ms=1000 * max(sampler.lags, default=0.0),
+        scheduler_cpu_share=cpus[0] / seconds, harness_cpu_share=cpus[1] / seconds,
+        workers_cpu_share=probe["cpu"] / seconds,
+        loop_lag_p99_ms=1000 * percentile(probe["lags"], 99), loop_lag_max_ms=1000 * max(probe["lags"], default=0.0),
         generated_tokens=summary.generated_tokens, requests_moved=summary.requests_moved,
         requests_requeued=summary.requests_requeued)
 
@@ -637,7 +552,7 @@ async def _summarize(h: _Harness, steps: list[StepRecord], total_seconds: float)
         "scheduler_rss_mib_first": rss[0], "scheduler_rss_mib_last": rss[-1],
         "scheduler_peak_rss_mib": h.scheduler.peak_rss_mib(),
         "memory": memory_verdict(rss),
-        "worker_store": _store_stats(h.stores),
+        "worker_store": h.workers.store_stats(),
         "metrics_completions_total": await asyncio.to_thread(_scrape_completions, h.scheduler.http_port),
     }
     if h.redis_url:
@@ -664,12 +579,6 @@ def _finite(value):
     if isinstance(value, list):
         return [_finite(v) for v in value]
     return value
-
-
-def _store_stats(stores: list) -> dict:
-    stats = [getattr(store, "inner", store).stats for store in stores]
-    ops, seconds = sum(st.ops for st in stats), sum(st.op_seconds_sum for st in stats)
-    return {"ops": ops, "errors": sum(st.errors for st in stats), "mean_op_ms": 1000 * seconds / max(1, ops)}
 
 
 def _scrape_completions(http_port: int) -> float:
@@ -700,7 +609,8 @@ _COLUMNS = (  # (field, title, width, format)
     ("completions_per_second", "compl/s", 8, ".1f"), ("dispatch_p50_ms", "disp p50 ms", 11, ".2f"),
     ("dispatch_p99_ms", "disp p99 ms", 11, ".2f"), ("refill_p99_ms", "refill p99", 10, ".2f"),
     ("scheduler_rss_mib", "sched RSS MiB", 13, ".1f"), ("scheduler_cpu_share", "sched CPU", 9, ".0%"),
-    ("harness_cpu_share", "harness CPU", 11, ".0%"), ("loop_lag_p99_ms", "lag p99 ms", 10, ".1f"),
+    ("harness_cpu_share", "trainer CPU", 11, ".0%"), ("workers_cpu_share", "workers CPU", 11, ".0%"),
+    ("loop_lag_p99_ms", "lag p99 ms", 10, ".1f"),
 )
 
 
@@ -769,6 +679,7 @@ def add_parser(sub, add) -> None:
                        ("seed", "seed of prompts and sampling"),
                        ("trace-memory", "tracemalloc in the scheduler; print its top allocation sites (slow)")):
         add(p, name, getattr(d, name.replace("-", "_")), help)
+    add(p, "worker-processes", d.worker_processes, "processes hosting the workers (0 = one per CPU core)")
     add(p, "json", "", "also write the results as JSON to this path")
 
 
@@ -794,4 +705,9 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--scheduler-child"]:
         tracemalloc.start()
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_serve_child(json.loads(sys.argv[2])))
+    if os.environ.get("BUBBLESPEC_LOADTEST_PROFILE"):  # diagnosis: cProfile of the scheduler, written at exit
+        import cProfile
+
+        cProfile.run("asyncio.run(_serve_child(json.loads(sys.argv[2])))", os.environ["BUBBLESPEC_LOADTEST_PROFILE"])
+    else:
+        asyncio.run(_serve_child(json.loads(sys.argv[2])))

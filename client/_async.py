@@ -58,6 +58,7 @@ class AsyncRolloutClient:
         """Yield each completion of the step once, as it finishes (resuming across retries)."""
         request = _base.make_generate_request(step, policy_version, prompts, sampling, n, lookahead, policy,
                                               drafts, straggler_watch)
+        request.batch_completions = True  # this SDK reads CompletionBatch responses (StepCollector.add_all)
         collector = _collector or StepCollector(request, on_progress)
         delays = self.settings.retry.delays()
         while not collector.done:
@@ -66,8 +67,7 @@ class AsyncRolloutClient:
                 call = self._stub.Generate(request, timeout=self.settings.step_timeout_seconds,
                                            metadata=self.settings.metadata(), wait_for_ready=True)
                 async for msg in call:
-                    c = collector.add(msg)
-                    if c is not None:
+                    for c in collector.add_all(msg):
                         yield c
                 if not collector.done:
                     raise ServiceUnavailable("stream ended before the step finished")

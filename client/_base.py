@@ -198,12 +198,30 @@ class StepCollector:
         self.summary: StepSummary | None = None
         self.on_progress = on_progress
 
+    def add_all(self, msg: pb.GenerateResponse) -> list[Completion]:
+        """Record one stream message (a completion, a ``CompletionBatch`` or the summary);
+        return its completions that are new, in order."""
+        event = msg.WhichOneof("event")
+        if event == "completions":
+            return [c for c in map(self._add, msg.completions.completions) if c is not None]
+        if event == "completion":
+            c = self._add(msg.completion)
+            return [] if c is None else [c]
+        self.add(msg)
+        return []
+
     def add(self, msg: pb.GenerateResponse) -> Completion | None:
-        """Record one stream message; return the completion if it is new."""
+        """Record one stream message; return the completion if it is new (the first new one of
+        a ``CompletionBatch``: ``add_all`` returns them all)."""
         if msg.WhichOneof("event") == "summary":
             self.summary = cv.summary_from_pb(msg.summary)
             return None
-        c = cv.completion_from_pb(msg.completion)
+        if msg.WhichOneof("event") == "completions":
+            return next(iter(self.add_all(msg)), None)
+        return self._add(msg.completion)
+
+    def _add(self, completion: pb.Completion) -> Completion | None:
+        c = cv.completion_from_pb(completion)
         key = (c.prompt_id, c.sample_index)
         if key in self.completions:
             return None

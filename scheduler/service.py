@@ -93,10 +93,11 @@ class SchedulerService:
                         link.close()
                         self.control.lost(worker_id, f"disconnected before answering: {reason}")
                 case Deliver(step_id, completion):
+                    encoded = cv.completion_to_pb(completion)  # once, for the journal and every subscriber
                     if self.journal is not None:
                         key = request_key(step_id, completion.prompt_id, completion.sample_index)
-                        self.journal.save_completion(key, completion)
-                    self._publish(step_id, pb.GenerateResponse(completion=cv.completion_to_pb(completion)))
+                        self.journal.save_completion(key, completion, encoded.SerializeToString())
+                    self._publish(step_id, encoded)
                 case StepFinished(step_id, summary):
                     self._publish(step_id, pb.GenerateResponse(summary=cv.summary_to_pb(summary)))
                     self._publish(step_id, _END)
@@ -141,8 +142,10 @@ class SchedulerService:
 
     # ---------------------------------------------------------------- trainer --
 
-    async def run_step(self, spec: StepSpec) -> AsyncIterator[pb.GenerateResponse]:
-        """Submit (or resume) a step and stream its completions, then its summary."""
+    async def run_step(self, spec: StepSpec, batch: bool = False) -> AsyncIterator[pb.GenerateResponse]:
+        """Submit (or resume) a step and stream its completions, then its summary. ``batch``: the
+        completions waiting at once go out as one ``CompletionBatch`` response (``_responses``);
+        else one ``completion`` response each."""
         if self.draining:
             raise InvalidRequest("step_id", "the scheduler is shutting down", "UNAVAILABLE")
         existing = self.core.check_step(spec)
@@ -150,10 +153,10 @@ class SchedulerService:
         existing = self.core.check_step(spec)  # another call may have submitted it meanwhile
         queue: asyncio.Queue = asyncio.Queue()
         for c in done.values():  # delivered by an earlier scheduler: replay
-            queue.put_nowait(pb.GenerateResponse(completion=cv.completion_to_pb(c)))
+            queue.put_nowait(cv.completion_to_pb(c))
         if existing is not None:  # resume: replay what is done, then follow
             for c in existing.completions.values():
-                queue.put_nowait(pb.GenerateResponse(completion=cv.completion_to_pb(c)))
+                queue.put_nowait(cv.completion_to_pb(c))
             if existing.summary is not None:
                 queue.put_nowait(pb.GenerateResponse(summary=cv.summary_to_pb(existing.summary)))
                 queue.put_nowait(_END)
@@ -167,9 +170,7 @@ class SchedulerService:
                 if self.journal is not None:
                     self.journal.save_step(spec.step_id, spec.fingerprint)
                 self.execute(self.core.submit_step(spec, done))
-            while (msg := await queue.get()) is not _END:
-                if isinstance(msg, StepFailed):
-                    raise _failed(msg)
+            async for msg in _responses(queue, batch):
                 yield msg
             step = self.core.steps.get(spec.step_id)
             if step is not None and step.cancelled:
@@ -302,6 +303,21 @@ class SchedulerService:
             core.heartbeat(worker_id, tps)
             return
         core.touch(worker_id)
+        if kind == "completions":  # a batch: each as its own completion message, in order
+            for i, wc in enumerate(msg.completions.completions):
+                try:
+                    self._on_completion(worker_id, wc)
+                except InvalidRequest as exc:  # one bad entry costs only itself
+                    logger.warning("worker %s sent a bad message: completions[%d]: %s", worker_id, i, exc)
+            return
+        if kind == "progress_batch":  # each as its own progress message
+            for p in msg.progress_batch.progress:
+                if _holds(core, worker_id, p.request_key):
+                    core.on_progress(worker_id, p.request_key, p.generated_tokens)
+                else:
+                    logger.info("worker %s: ignored progress: progress.request_key %.80r is not running on this worker",
+                                worker_id, p.request_key)
+            return
         if kind in ("progress", "completion", "aborted") and not _holds(core, worker_id, getattr(msg, kind).request_key):
             logger.info("worker %s: ignored %s: %s.request_key %.80r is not running on this worker",
                         worker_id, kind, kind, getattr(msg, kind).request_key)  # stale (moved, cancelled) or forged
@@ -309,15 +325,7 @@ class SchedulerService:
         if kind == "progress":
             core.on_progress(worker_id, msg.progress.request_key, msg.progress.generated_tokens)
         elif kind == "completion":
-            c = _checked_completion(msg.completion, core.limits)
-            wanted = _requested_version(core, msg.completion.request_key)
-            if c.policy_version != wanted:  # made with other weights than asked: a failed attempt
-                logger.error("worker %s: completion of %.80r is from policy version %d, the request asked for %d; "
-                             "running it again", worker_id, msg.completion.request_key, c.policy_version, wanted)
-                self.execute(core.on_aborted(worker_id, msg.completion.request_key,
-                                             f"completion from policy version {c.policy_version}, not {wanted}"))
-                return
-            self.execute(core.on_completion(worker_id, msg.completion.request_key, _stamp(c, worker_id)))
+            self._on_completion(worker_id, msg.completion, held=True)
         elif kind == "aborted":
             self.execute(core.on_aborted(worker_id, msg.aborted.request_key, msg.aborted.reason))
         elif kind == "policy_loaded":
@@ -340,6 +348,24 @@ class SchedulerService:
         else:
             raise InvalidRequest("kind", f"unexpected worker message {kind!r}")
 
+    def _on_completion(self, worker_id: str, wc: pb.WorkerCompletion, held: bool = False) -> None:
+        """One completion from ``worker_id`` (``held``: ``_holds`` already checked)."""
+        core = self.core
+        if not held and not _holds(core, worker_id, wc.request_key):
+            logger.info("worker %s: ignored completion: completion.request_key %.80r is not running on this worker",
+                        worker_id, wc.request_key)  # stale (moved, cancelled) or forged
+            return
+        wc.completion.worker_id = worker_id  # stamped: the worker that sent it, whatever it claims
+        c = _checked_completion(wc, core.limits)
+        wanted = _requested_version(core, wc.request_key)
+        if c.policy_version != wanted:  # made with other weights than asked: a failed attempt
+            logger.error("worker %s: completion of %.80r is from policy version %d, the request asked for %d; "
+                         "running it again", worker_id, wc.request_key, c.policy_version, wanted)
+            self.execute(core.on_aborted(worker_id, wc.request_key,
+                                         f"completion from policy version {c.policy_version}, not {wanted}"))
+            return
+        self.execute(core.on_completion(worker_id, wc.request_key, c))
+
     async def tick_forever(self, period: float) -> None:
         while True:
             await asyncio.sleep(period)
@@ -358,16 +384,46 @@ class SchedulerService:
             link.close()
 
 
+BATCH_BYTES = 2**20
+"""Most bytes of completions one ``CompletionBatch`` response carries (a single larger
+completion goes alone): far under the gRPC message limits of both ends (64 MiB by default)."""
+BATCH_MAX = 512
+"""Most completions one ``CompletionBatch`` response carries."""
+
+
+async def _responses(queue: asyncio.Queue, batch: bool) -> AsyncIterator[pb.GenerateResponse]:
+    """A step subscriber's queue as trainer responses, up to its end (``_END``): completions
+    (``pb.Completion``) one per response, or with ``batch`` every completion already waiting
+    (up to ``BATCH_MAX`` / ``BATCH_BYTES``) in one ``CompletionBatch``, in order; summaries as
+    they are; a ``StepFailed`` raises."""
+    pending = None
+    while True:
+        msg = pending if pending is not None else await queue.get()
+        pending = None
+        if msg is _END:
+            return
+        if isinstance(msg, StepFailed):
+            raise _failed(msg)
+        if not isinstance(msg, pb.Completion):
+            yield msg
+        elif not batch:
+            yield pb.GenerateResponse(completion=msg)
+        else:
+            group, size = [msg], msg.ByteSize()
+            while not queue.empty() and len(group) < BATCH_MAX:
+                nxt = queue.get_nowait()
+                if not isinstance(nxt, pb.Completion) or size + nxt.ByteSize() > BATCH_BYTES:
+                    pending = nxt  # handled next, in its place
+                    break
+                group.append(nxt)
+                size += nxt.ByteSize()
+            yield pb.GenerateResponse(completions=pb.CompletionBatch(completions=group))
+
+
 def _failed(failure: StepFailed) -> InvalidRequest:
     """A failed step, as the trainer sees it: FAILED_PRECONDITION naming the prompt (the SDK
     raises ``PreconditionFailed``, a fatal error: the same step id returns the same failure)."""
     return InvalidRequest(failure.field, failure.message, "FAILED_PRECONDITION")
-
-
-def _stamp(c: Completion, worker_id: str) -> Completion:
-    from dataclasses import replace
-
-    return replace(c, worker_id=worker_id)
 
 
 def _requested_version(core: SchedulerCore, key: str) -> int:

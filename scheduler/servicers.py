@@ -65,7 +65,7 @@ class RolloutServicer(pbg.RolloutServicer):
                 use_drafts=not request.disable_drafts, straggler_watch=not request.disable_straggler_watch,
                 limits=self.limits, model=self._model(), tokenize=self.service.tokenize,
             )
-            async for msg in self.service.run_step(spec):
+            async for msg in self.service.run_step(spec, batch=request.batch_completions):
                 yield msg
         except InvalidRequest as exc:
             await _abort(context, exc)

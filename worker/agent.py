@@ -58,7 +58,8 @@ class WorkerSettings:
     heartbeat_seconds: float = 1.0
     """Heartbeat period."""
     progress_seconds: float = 0.5
-    """Shortest gap between two progress reports of one request."""
+    """Shortest gap between two progress reports of one request. Reports wait up to this long to
+    go out together: one message carries the progress of every request that reported meanwhile."""
     reconnect_initial_seconds: float = 0.2
     """First reconnect delay; doubles up to reconnect_max_seconds."""
     reconnect_max_seconds: float = 2.0
@@ -103,6 +104,8 @@ class WorkerAgent:
         self._controls: set[asyncio.Task] = set()  # engine control calls, run one at a time in arrival order
         self._control_lock = asyncio.Lock()
         self._stopping = False
+        self._progress: dict[str, int] = {}  # request key -> tokens, reports waiting for _flush_progress
+        self._progress_timer: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------ connection --
 
@@ -160,6 +163,7 @@ class WorkerAgent:
             self.outbox.put_nowait(None)
 
     async def _session(self) -> None:
+        self._progress.clear()  # reports of the previous stream's requests: dropped with them
         self.outbox = asyncio.Queue()
         self.outbox.put_nowait(pb.WorkerMessage(hello=self._hello()))
         metadata = (("authorization", f"Bearer {self.settings.token}"),) if self.settings.token else ()
@@ -183,7 +187,19 @@ class WorkerAgent:
                         tensor_parallel_size=self.settings.engine.tensor_parallel_size)
 
     async def _outgoing(self):
-        while (msg := await self.outbox.get()) is not None:
+        """The outbox as the stream's messages. Completions waiting at once (requests that
+        ended in the same engine step) go out as one ``completions`` batch, in order
+        (``_batch``): one gRPC message for the scheduler to read instead of one each."""
+        pending = _NOTHING
+        while True:
+            msg = pending if pending is not _NOTHING else await self.outbox.get()
+            pending = _NOTHING
+            if msg is None:
+                return
+            if msg.WhichOneof("kind") == "completion":
+                await asyncio.sleep(0)  # let the other requests that ended in this engine step queue theirs
+                if not self.outbox.empty():
+                    msg, pending = _batch(msg, self.outbox)
             yield msg
 
     def _send(self, **kind) -> None:
@@ -316,24 +332,44 @@ class WorkerAgent:
                     final = out
                 elif time.monotonic() - last_report >= self.settings.progress_seconds:
                     last_report = time.monotonic()
-                    self._send(progress=pb.Progress(request_key=key, generated_tokens=len(out.token_ids)))
+                    self._report_progress(key, len(out.token_ids))
             if final is None:
                 raise RuntimeError("engine ended without a final output")
             if self.version != loaded:
                 raise RuntimeError(f"the weights changed from version {loaded} to {self.version} during generation")
             c = Completion(a.step_id, a.prompt_id, a.sample_index, final.token_ids, final.logprobs, final.text,
                            final.finish_reason, loaded, self.worker_id, len(prompt), final.provenance)
+            self._progress.pop(key, None)  # finished: its last progress report says nothing more
             self._send(completion=pb.WorkerCompletion(request_key=key, completion=cv.completion_to_pb(c)))
             self.tasks.pop(key, None)
             await self._remember(prompt, c, a.step_id)
         except asyncio.CancelledError:
+            self._progress.pop(key, None)
             await self.engine.abort(key)
             raise
         except Exception as exc:
             logger.exception("request %s failed", key)
+            self._progress.pop(key, None)
             self.tasks.pop(key, None)
             self._send(aborted=pb.Aborted(request_key=key, reason=str(exc)[:500]))
             self._check_engine()
+
+    def _report_progress(self, key: str, tokens: int) -> None:
+        """Queue a progress report; every report queued within ``progress_seconds`` of the first
+        goes out in one message (``_flush_progress``)."""
+        self._progress[key] = tokens
+        if self._progress_timer is None:
+            self._progress_timer = asyncio.get_running_loop().call_later(self.settings.progress_seconds,
+                                                                         self._flush_progress)
+
+    def _flush_progress(self) -> None:
+        self._progress_timer = None
+        reports = [pb.Progress(request_key=k, generated_tokens=n) for k, n in self._progress.items()]
+        self._progress.clear()
+        if len(reports) == 1:
+            self._send(progress=reports[0])
+        elif reports:
+            self._send(progress_batch=pb.ProgressBatch(progress=reports))
 
     async def _remember(self, prompt: tuple[int, ...], c: Completion, step_id: str) -> None:
         if self.store is None or not self.settings.history_drafts:
@@ -368,6 +404,37 @@ class WorkerAgent:
                 entry = DraftEntry(tuple(tokens), job.policy_version, job.step_id, DraftSource.FUTURE, time.time())
                 await asyncio.shield(self.store.put_draft(prompt_key(prompt), entry))
             self._send(draft_result=pb.DraftResult(job_id=job.job_id, tokens=len(tokens), finished=finished))
+
+
+BATCH_BYTES = 2**20
+"""Most bytes of completions in one ``completions`` batch (a larger single one goes alone):
+far under the gRPC message limits (``max_message_bytes``, 64 MiB by default)."""
+BATCH_MAX = 256
+"""Most completions in one ``completions`` batch."""
+
+
+_NOTHING = object()
+
+
+def _batch(first: pb.WorkerMessage, outbox: asyncio.Queue) -> tuple[pb.WorkerMessage, object]:
+    """``first`` (a completion) and the completions queued right behind it as one message,
+    and the next item taken from ``outbox`` that did not join it (``_NOTHING`` if none; it may
+    be the None that ends the stream)."""
+    group = [first.completion]
+    size = first.completion.ByteSize()
+    while not outbox.empty() and len(group) < BATCH_MAX:
+        nxt = outbox.get_nowait()
+        if nxt is None or nxt.WhichOneof("kind") != "completion" or size + nxt.completion.ByteSize() > BATCH_BYTES:
+            return _batched(group), nxt
+        group.append(nxt.completion)
+        size += nxt.completion.ByteSize()
+    return _batched(group), _NOTHING
+
+
+def _batched(group: list[pb.WorkerCompletion]) -> pb.WorkerMessage:
+    if len(group) == 1:
+        return pb.WorkerMessage(completion=group[0])
+    return pb.WorkerMessage(completions=pb.WorkerCompletionBatch(completions=group))
 
 
 async def stop_agents(agents: list[WorkerAgent], tasks: list[asyncio.Task]) -> None:

@@ -111,7 +111,7 @@ async def test_small_loadtest_delivers_every_completion_once():
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")
     settings = LoadSettings(workers=16, steps=3, prompts=64, samples=2, capacity=2, max_tokens=48,
-                            median_tokens=12, step_seconds=0.005, batch_slope_seconds=0.0)
+                            median_tokens=12, step_seconds=0.005, batch_slope_seconds=0.0, worker_processes=2)
     result = await run_loadtest(settings)
     assert result.redis.startswith("redis://")
     per_step = settings.prompts * settings.samples
@@ -123,7 +123,7 @@ async def test_small_loadtest_delivers_every_completion_once():
         assert 0 < r.dispatch_p50_ms <= r.dispatch_p99_ms
         assert 0 < r.refill_p50_ms <= r.refill_p99_ms  # 32 slots for 128 requests: slots get refilled
         assert r.scheduler_rss_mib > 10 and r.scheduler_rss_peak_mib >= r.scheduler_rss_mib * 0.9
-        assert r.scheduler_cpu_share > 0
+        assert r.scheduler_cpu_share > 0 and r.workers_cpu_share > 0  # the agents run in their own processes
     s = result.summary
     assert s["completions"] == s["metrics_completions_total"] == 3 * per_step
     assert s["duplicates"] == s["missing"] == 0 and s["completions_per_second"] > 0

@@ -13,8 +13,6 @@ step journal on a real redis-server.
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 import pytest
 import redis
@@ -173,3 +171,52 @@ async def test_the_journal_writes_a_steps_completions_as_one_hset_per_batch():
     assert fingerprint == "fp" and sorted(done) == sorted([f"s/p{i}/0" for i in range(50)] + ["s/late/0"])
     assert calls["cmdstat_hset"] == 2  # the 51 records and the fingerprint: one before the finish, one after
     assert calls["cmdstat_expire"] == 3
+
+
+async def test_the_agent_sends_the_progress_reported_within_one_period_in_one_message():
+    agent = WorkerAgent(WorkerSettings(worker_id="w", progress_seconds=0.05), engine=None)  # type: ignore[arg-type]
+    agent._report_progress("a", 3)
+    agent._report_progress("b", 5)
+    agent._report_progress("a", 4)  # a later report of the same request replaces the earlier one
+    await wait_until(lambda: not agent.outbox.empty(), what="the progress message")
+    msg = agent.outbox.get_nowait()
+    assert [(p.request_key, p.generated_tokens) for p in msg.progress_batch.progress] == [("a", 4), ("b", 5)]
+    agent._report_progress("c", 1)  # alone in its period: the single form
+    await wait_until(lambda: not agent.outbox.empty(), what="the second progress message")
+    single = agent.outbox.get_nowait()
+    assert single.WhichOneof("kind") == "progress" and single.progress.request_key == "c"
+
+
+async def test_a_progress_batch_updates_each_request_the_worker_holds_and_ignores_the_rest():
+    scheduler, worker, channel, call = await _held_step(batch=True)
+    try:
+        keys = sorted(worker.assignments)
+        reports = [pb.Progress(request_key=keys[0], generated_tokens=2),
+                   pb.Progress(request_key="s/nobody/0", generated_tokens=9),
+                   pb.Progress(request_key=keys[1], generated_tokens=3)]
+        worker.send(progress_batch=pb.ProgressBatch(progress=reports))
+        requests = scheduler.core.steps["s"].requests
+        await wait_until(lambda: requests[keys[1]].progress == 3, what="the progress of the third entry")
+        assert requests[keys[0]].progress == 2 and all(requests[k].progress == 0 for k in keys[2:])
+        worker.complete_all()
+        assert [m.WhichOneof("event") async for m in call][-1] == "summary"
+    finally:
+        await _close(scheduler, worker, channel)
+
+
+@pytest.mark.skipif(not redis_server_available(), reason="redis-server is not installed")
+async def test_a_flush_writes_at_once_whatever_the_journals_batching_window():
+    with RedisServer() as server:
+        r = redis.Redis.from_url(server.url)
+        journal = StepJournal(StoreSettings(url=server.url), b"s" * 16, batch_seconds=3600.0)
+        journal.start()
+        try:
+            journal.save_step("s", "fp")
+            await journal.flush()  # would time out (5 s) if it waited for the window
+            assert r.hexists(journal._step_key("s"), "fingerprint")
+            journal.save_completion("s/p0/0", cv.completion_from_pb(_completion("p0", 0)))
+            await journal.flush()  # a second window, cut short the same way
+            assert r.hexists(journal._step_key("s"), "s/p0/0")
+        finally:
+            await journal.close()
+            r.close()

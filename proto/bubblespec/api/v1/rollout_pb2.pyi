@@ -129,7 +129,7 @@ class Completion(_message.Message):
     def __init__(self, step_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., provenance: _Optional[_Union[Provenance, _Mapping]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("step_id", "policy_version", "prompts", "sampling", "lookahead", "policy", "disable_drafts", "disable_straggler_watch")
+    __slots__ = ("step_id", "policy_version", "prompts", "sampling", "lookahead", "policy", "disable_drafts", "disable_straggler_watch", "batch_completions")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,7 @@ class GenerateRequest(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     DISABLE_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     DISABLE_STRAGGLER_WATCH_FIELD_NUMBER: _ClassVar[int]
+    BATCH_COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
     step_id: str
     policy_version: int
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
@@ -146,7 +147,8 @@ class GenerateRequest(_message.Message):
     policy: SchedulingPolicy
     disable_drafts: bool
     disable_straggler_watch: bool
-    def __init__(self, step_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., lookahead: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., policy: _Optional[_Union[SchedulingPolicy, str]] = ..., disable_drafts: _Optional[bool] = ..., disable_straggler_watch: _Optional[bool] = ...) -> None: ...
+    batch_completions: bool
+    def __init__(self, step_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., lookahead: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., policy: _Optional[_Union[SchedulingPolicy, str]] = ..., disable_drafts: _Optional[bool] = ..., disable_straggler_watch: _Optional[bool] = ..., batch_completions: _Optional[bool] = ...) -> None: ...
 
 class StepSummary(_message.Message):
     __slots__ = ("step_id", "policy_version", "completions", "makespan_seconds", "generated_tokens", "provenance", "busy_worker_seconds", "idle_worker_seconds", "drafting_worker_seconds", "requests_moved", "requests_requeued")
@@ -174,13 +176,21 @@ class StepSummary(_message.Message):
     requests_requeued: int
     def __init__(self, step_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., completions: _Optional[int] = ..., makespan_seconds: _Optional[float] = ..., generated_tokens: _Optional[int] = ..., provenance: _Optional[_Union[Provenance, _Mapping]] = ..., busy_worker_seconds: _Optional[float] = ..., idle_worker_seconds: _Optional[float] = ..., drafting_worker_seconds: _Optional[float] = ..., requests_moved: _Optional[int] = ..., requests_requeued: _Optional[int] = ...) -> None: ...
 
+class CompletionBatch(_message.Message):
+    __slots__ = ("completions",)
+    COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    completions: _containers.RepeatedCompositeFieldContainer[Completion]
+    def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ...) -> None: ...
+
 class GenerateResponse(_message.Message):
-    __slots__ = ("completion", "summary")
+    __slots__ = ("completion", "summary", "completions")
     COMPLETION_FIELD_NUMBER: _ClassVar[int]
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
     completion: Completion
     summary: StepSummary
-    def __init__(self, completion: _Optional[_Union[Completion, _Mapping]] = ..., summary: _Optional[_Union[StepSummary, _Mapping]] = ...) -> None: ...
+    completions: CompletionBatch
+    def __init__(self, completion: _Optional[_Union[Completion, _Mapping]] = ..., summary: _Optional[_Union[StepSummary, _Mapping]] = ..., completions: _Optional[_Union[CompletionBatch, _Mapping]] = ...) -> None: ...
 
 class AnnounceRequest(_message.Message):
     __slots__ = ("prompts", "sampling")
@@ -306,6 +316,18 @@ class WorkerCompletion(_message.Message):
     completion: Completion
     def __init__(self, request_key: _Optional[str] = ..., completion: _Optional[_Union[Completion, _Mapping]] = ...) -> None: ...
 
+class ProgressBatch(_message.Message):
+    __slots__ = ("progress",)
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    progress: _containers.RepeatedCompositeFieldContainer[Progress]
+    def __init__(self, progress: _Optional[_Iterable[_Union[Progress, _Mapping]]] = ...) -> None: ...
+
+class WorkerCompletionBatch(_message.Message):
+    __slots__ = ("completions",)
+    COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    completions: _containers.RepeatedCompositeFieldContainer[WorkerCompletion]
+    def __init__(self, completions: _Optional[_Iterable[_Union[WorkerCompletion, _Mapping]]] = ...) -> None: ...
+
 class Aborted(_message.Message):
     __slots__ = ("request_key", "reason")
     REQUEST_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -339,7 +361,7 @@ class DraftResult(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., tokens: _Optional[int] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("hello", "heartbeat", "progress", "completion", "aborted", "policy_loaded", "draft_result", "control_result")
+    __slots__ = ("hello", "heartbeat", "progress", "completion", "aborted", "policy_loaded", "draft_result", "control_result", "completions", "progress_batch")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
@@ -348,6 +370,8 @@ class WorkerMessage(_message.Message):
     POLICY_LOADED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_RESULT_FIELD_NUMBER: _ClassVar[int]
     CONTROL_RESULT_FIELD_NUMBER: _ClassVar[int]
+    COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_BATCH_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     heartbeat: Heartbeat
     progress: Progress
@@ -356,7 +380,9 @@ class WorkerMessage(_message.Message):
     policy_loaded: PolicyLoaded
     draft_result: DraftResult
     control_result: ControlResult
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., completion: _Optional[_Union[WorkerCompletion, _Mapping]] = ..., aborted: _Optional[_Union[Aborted, _Mapping]] = ..., policy_loaded: _Optional[_Union[PolicyLoaded, _Mapping]] = ..., draft_result: _Optional[_Union[DraftResult, _Mapping]] = ..., control_result: _Optional[_Union[ControlResult, _Mapping]] = ...) -> None: ...
+    completions: WorkerCompletionBatch
+    progress_batch: ProgressBatch
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., completion: _Optional[_Union[WorkerCompletion, _Mapping]] = ..., aborted: _Optional[_Union[Aborted, _Mapping]] = ..., policy_loaded: _Optional[_Union[PolicyLoaded, _Mapping]] = ..., draft_result: _Optional[_Union[DraftResult, _Mapping]] = ..., control_result: _Optional[_Union[ControlResult, _Mapping]] = ..., completions: _Optional[_Union[WorkerCompletionBatch, _Mapping]] = ..., progress_batch: _Optional[_Union[ProgressBatch, _Mapping]] = ...) -> None: ...
 
 class Assignment(_message.Message):
     __slots__ = ("request_key", "step_id", "prompt_id", "sample_index", "prompt_token_ids", "sampling", "policy_version", "use_drafts", "group_size")
