@@ -62,6 +62,10 @@ class BenchConfig:
     """Pause between a step's end and the next weight push: the trainer's reward and gradient
     time, in which synchronous rollout workers have nothing to do (BubbleSpec drafts). The
     example GRPO trainer's gradient step took 0.5-5.0 s here, median 0.8 s."""
+    draft_jobs_during_step: int = -1
+    """Draft jobs an idle worker runs while the step's other workers are still busy (the
+    scheduler's ``max_draft_jobs_during_step``; -1 = its default, 16, the same width as after
+    the step). Measured with 0, 2 and 16 on this machine (docs/BENCHMARKS.md)."""
     seed: int = 0
 
 
@@ -77,7 +81,38 @@ def _step_row(arm: str, step: int, r: StepResult) -> dict:
         "by_source": {x.source: {"drafted": x.drafted_tokens, "accepted": x.accepted_tokens}
                       for x in s.provenance.sources},
         "requests_moved": s.requests_moved,
+        "per_worker": _per_worker(r),
     }
+
+
+def _worker_done_times(core, step_id: str, per_worker: dict) -> None:
+    """Add each worker's ``done_seconds``: when, from the step's start, its last busy spell in
+    the step ended (the scheduler's timeline), so the gap to the makespan is its bubble."""
+    step = core.steps.get(step_id)
+    if step is None or step.finished_at is None:
+        return
+    for wid, stats in per_worker.items():
+        w = core.workers.get(wid)
+        ends = [end for state, since, end in (w.timeline.segments if w else ())
+                if state == "busy" and end > step.started_at and since < step.finished_at]
+        stats["done_seconds"] = round(max(ends, default=step.started_at) - step.started_at, 3)
+
+
+def _per_worker(r: StepResult) -> dict:
+    """Per worker: requests, generated tokens, forward passes of its requests (summed per
+    request), and its longest response with that response's forward passes and accepted draft
+    tokens by source: where a step's tail was, how even the split, how far drafts carried it."""
+    out: dict[str, dict] = {}
+    for c in r.completions:
+        w = out.setdefault(c.worker_id, {"requests": 0, "tokens": 0, "longest": 0, "forward_passes": 0})
+        w["requests"] += 1
+        w["tokens"] += len(c.token_ids)
+        w["forward_passes"] += c.provenance.forward_passes
+        if len(c.token_ids) >= w["longest"]:  # the worker's tail: how far drafts carried it
+            w["longest"] = len(c.token_ids)
+            w["longest_forward_passes"] = c.provenance.forward_passes
+            w["longest_accepted"] = {x.source: x.accepted_tokens for x in c.provenance.sources if x.accepted_tokens}
+    return dict(sorted(out.items()))
 
 
 async def _run_arm(cluster, client, arm: Arm, prompts, weights, cfg: BenchConfig, version0: int):
@@ -99,6 +134,7 @@ async def _run_arm(cluster, client, arm: Arm, prompts, weights, cfg: BenchConfig
                                        policy_version=version, lookahead=ahead, policy=arm.policy,
                                        drafts=arm.drafts, straggler_watch=arm.straggler_watch)
         rows.append(_step_row(arm.name, s + 1, result))
+        _worker_done_times(cluster.scheduler.core, result.summary.step_id, rows[-1]["per_worker"])
         outputs.append([c.token_ids for c in result.completions])
         print(f"  {arm.name:>13} step {s + 1}: {result.summary.makespan_seconds:6.2f}s "
               f"fwd/tok {result.summary.forward_passes_per_token:.3f}", flush=True)
@@ -192,15 +228,18 @@ def ensure_rlvr_model(path: Path = RLVR_MODEL_DIR) -> str:
 
 def main(args) -> None:
     from bubblespec.cli.commands import Cluster, _engine_settings
+    from bubblespec.scheduler.core.state import CoreSettings
     from bubblespec.scheduler.settings import SchedulerSettings
 
     cfg = BenchConfig(steps=3 if args.quick else args.steps, prompts=16 if args.quick else args.prompts,
                       samples=args.samples, max_tokens=args.max_tokens, lookahead_steps=args.lookahead_steps,
-                      train_seconds=args.train_seconds, update_scale=args.update_scale, seed=args.seed)
+                      train_seconds=args.train_seconds, update_scale=args.update_scale, seed=args.seed,
+                      draft_jobs_during_step=args.draft_jobs_during_step)
     args.model = args.model or ensure_rlvr_model()
 
     async def go() -> dict:
-        cluster = Cluster(SchedulerSettings(host="127.0.0.1", grpc_port=0, http_port=0, tokenizer=args.model),
+        core = CoreSettings(max_draft_jobs_during_step=None if cfg.draft_jobs_during_step < 0 else cfg.draft_jobs_during_step)
+        cluster = Cluster(SchedulerSettings(host="127.0.0.1", grpc_port=0, http_port=0, tokenizer=args.model, core=core),
                           _engine_settings(args), args.workers)
         await cluster.start()
         try:

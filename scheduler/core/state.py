@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from bubblespec.client.types import LOGPROBS_MODES, Completion, Provenance, SamplingParams, SchedulingPolicy, StepSummary
+from bubblespec.scheduler.core.balance import Balancer
 from bubblespec.scheduler.core.drafting import DraftPlanner, draft_seed, job_sampling
 from bubblespec.scheduler.core.pause import Pauser
 from bubblespec.scheduler.core.policy import PolicyBarrier
@@ -53,6 +54,10 @@ class CoreSettings:
     """Send idle workers draft jobs for upcoming prompts."""
     max_draft_jobs_per_worker: int = 16
     """Draft jobs one idle worker runs at once (spreads drafting over the idle workers)."""
+    max_draft_jobs_during_step: int | None = None
+    """The same while a step runs (None = ``max_draft_jobs_per_worker``; 0 = none until the step
+    ends). Lower where workers share host CPUs: there an idle worker's drafting takes CPU the
+    busy workers' engines use, and slows the step's tail more than its drafts save."""
     timeline_segments: int = 256
     """Timeline segments kept per worker (for the UI)."""
     max_active_steps: int = 16
@@ -151,6 +156,7 @@ class SchedulerCore:
         self._jobs = itertools.count()
         self._drafts_wanted = False  # the latest step asked for drafts of its lookahead
         self.pauser = Pauser(self)  # /pause and /resume (core/pause.py)
+        self.balancer = Balancer(self)  # which worker takes queued work (core/balance.py)
 
     # ------------------------------------------------------------- workers --
 
@@ -563,15 +569,9 @@ class SchedulerCore:
     # ------------------------------------------------------------- dispatch --
 
     def _fill_all(self) -> list[Action]:
-        """Spread available work evenly: rounds of one sample group per worker, least loaded first."""
-        actions: list[Action] = []
-        progress = True
-        while progress:
-            progress = False
-            for w in sorted(self.workers.values(), key=lambda w: len(w.running) / w.capacity):
-                before = len(w.running)
-                actions += self._fill(w, limit=self._group_size())
-                progress = progress or len(w.running) > before
+        """Spread available work: one sample group at a time to the worker with the fewest
+        predicted tokens to go (core/balance.py)."""
+        actions = self.balancer.fill(self._group_size())
         for w in self.workers.values():
             actions += self._fill(w, limit=0)  # idle workers without work: drafts
         return actions
@@ -645,7 +645,10 @@ class SchedulerCore:
         if not self._drafts_wanted:  # drafting goes on after the step, until the next policy
             return []
         actions: list[Action] = []
-        while len(w.drafts) < min(w.capacity, self.settings.max_draft_jobs_per_worker):
+        width = self.settings.max_draft_jobs_per_worker
+        if self.settings.max_draft_jobs_during_step is not None and self._current_step() is not None:
+            width = min(width, self.settings.max_draft_jobs_during_step)
+        while len(w.drafts) < min(w.capacity, width):
             up = self.planner.pick()
             if up is None:
                 break
@@ -681,7 +684,10 @@ class SchedulerCore:
         )
         # Draft jobs go on through the trainer's gap between steps (reward, training): the
         # workers idle there anyway. ``update_policy`` or the next step's work stops them.
-        return [StepFinished(step.spec.step_id, step.summary)]
+        actions: list[Action] = [StepFinished(step.spec.step_id, step.summary)]
+        if self.settings.max_draft_jobs_during_step is not None and self._current_step() is None:  # the gap: full width
+            actions += [a for w in self.workers.values() if not w.running for a in self._plan_drafts(w)]
+        return actions
 
     def _trim_steps(self) -> None:
         done = [sid for sid, s in self.steps.items() if not s.active]

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from bubblespec.client.types import Prompt, SamplingParams, SchedulingPolicy
-from bubblespec.scheduler.core.types import Assign, StepFinished
+from bubblespec.scheduler.core.types import Assign, StartDraft, StepFinished
 from bubblespec.scheduler.core.validate import Limits, build_step
+
 from tests.unit.test_core import LIMITS, complete, hello, make_core, of
 
 
@@ -80,3 +81,38 @@ def test_where_the_whole_queue_starts_now_the_longest_is_placed_first():
     per = split(of(core.submit_step(prompts_step("s2", prompts)), Assign))
     long_worker = next(w for w, ids in per.items() if "p2" in ids)
     assert per[long_worker] == ["p2"]
+
+
+def test_drafting_is_narrow_while_a_step_runs_and_widens_in_the_gap():
+    core, _ = make_core(max_draft_jobs_during_step=1)
+    core.add_worker(hello("a", capacity=4))
+    core.add_worker(hello("b", capacity=4))
+    lookahead = [(7, 8), (9, 10, 11), (12, 13, 14, 15)]
+    assigns = of(core.submit_step(prompts_step_with_lookahead("s", [(5, 6), (5, 7)], lookahead)), Assign)
+    first, second = assigns
+    during = of(complete(core, first), StartDraft)
+    assert len(during) == 1 and during[0].worker_id == first.worker_id
+    after = complete(core, second)
+    assert of(after, StepFinished)
+    widened = of(after, StartDraft)
+    assert {d.job.prompt_token_ids for d in widened} == set(lookahead) - {during[0].job.prompt_token_ids}  # the rest, at once
+
+
+def prompts_step_with_lookahead(step_id: str, token_ids, lookahead):
+    return build_step(step_id=step_id, policy_version=0,
+                      prompts=[Prompt(f"p{i}", token_ids=t) for i, t in enumerate(token_ids)],
+                      sampling=SamplingParams(temperature=0.0, max_tokens=200, n=1),
+                      lookahead=[Prompt(f"l{i}", token_ids=t) for i, t in enumerate(lookahead)],
+                      policy=SchedulingPolicy.QUEUE, limits=Limits(), model=LIMITS)
+
+
+def test_no_drafting_while_a_step_runs_when_its_width_is_zero():
+    core, _ = make_core(max_draft_jobs_during_step=0)
+    core.add_worker(hello("a", capacity=4))
+    core.add_worker(hello("b", capacity=4))
+    lookahead = [(7, 8), (9, 10, 11)]
+    first, second = of(core.submit_step(prompts_step_with_lookahead("s", [(5, 6), (5, 7)], lookahead)), Assign)
+    assert of(complete(core, first), StartDraft) == []  # the other worker still runs the step
+    after = complete(core, second)
+    assert of(after, StepFinished)
+    assert {d.job.prompt_token_ids for d in of(after, StartDraft)} == set(lookahead)
