@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from bubblespec.scheduler.settings import SchedulerSettings
@@ -81,8 +82,10 @@ REFUSED_STATUS = 3
 failed start-up self-check."""
 
 
-def _refused(command: str, exc: Exception) -> int:
+def _refused(command: str, exc: Exception, log_path: Path | None = None) -> int:
     print(f"bubblespec {command}: {exc}", file=sys.stderr, flush=True)
+    if log_path is not None:
+        print(f"its full output is in {log_path}", file=sys.stderr, flush=True)
     return REFUSED_STATUS
 
 
@@ -94,14 +97,24 @@ def _on_core(settings: EngineSettings, core: int) -> EngineSettings:
 
 
 class Cluster:
-    """Scheduler + N vLLM workers + one in-process draft store, in this process (``up``)."""
+    """Scheduler + N vLLM workers + one in-process draft store, in this process (``up``).
+
+    The engines start at the same time; if any of them fails to start (or fails its
+    self-checks), every engine that did start is shut down and the scheduler stopped before
+    ``start`` raises. ``engine_factory`` builds one engine from its settings (default:
+    ``VllmEngine``); ``progress`` gets a line when each engine is ready, and after
+    ``progress_seconds``, twice that, four times that... while they start."""
 
     def __init__(self, scheduler: SchedulerSettings, engine: EngineSettings, workers: int,
-                 store_settings: StoreSettings = StoreSettings()):
+                 store_settings: StoreSettings = StoreSettings(), engine_factory: Callable | None = None,
+                 progress: Callable[[str], None] | None = None, progress_seconds: float = 10.0):
         self.scheduler_settings = scheduler
         self.engine_settings = engine
         self.num_workers = workers
         self.store_settings = store_settings
+        self.engine_factory = engine_factory
+        self.progress = progress or (lambda line: None)
+        self.progress_seconds = progress_seconds
         self.scheduler = None
         self.agents: list = []
         self.engines: list = []
@@ -112,25 +125,18 @@ class Cluster:
         from bubblespec.scheduler.server import Scheduler
         from bubblespec.store import open_store
         from bubblespec.worker.agent import WorkerAgent
-        from bubblespec.worker.engine import VllmEngine
-        from bubblespec.worker.selfcheck import require_self_checks
 
         self.scheduler = Scheduler(self.scheduler_settings)
         await self.scheduler.start()
         self.store = open_store(self.store_settings, resilient=True)
         target = f"127.0.0.1:{self.scheduler.grpc_port}"
-        cores = os.cpu_count() or 1
-        self.engines = [VllmEngine(_on_core(self.engine_settings, i % cores)) for i in range(self.num_workers)]
         try:  # self-checks before any agent says hello: an engine that fails them never joins
-            started = await asyncio.gather(*(engine.start() for engine in self.engines), return_exceptions=True)
-            failed = next((r for r in started if isinstance(r, BaseException)), None)
-            if failed is not None:  # the engines that did start are shut down below
-                raise failed
-            self.self_checked = list(await asyncio.gather(*(require_self_checks(e) for e in self.engines)))
+            await self._start_engines()
         except BaseException:
-            for engine in self.engines:
-                await engine.shutdown()
-            await self.scheduler.stop(grace=0)
+            try:
+                await self._shutdown_engines()  # those that did not start have nothing to shut down
+            finally:
+                await self.scheduler.stop(grace=0)
             raise
         for i, engine in enumerate(self.engines):
             agent = WorkerAgent(WorkerSettings(scheduler=target, worker_id=f"worker-{i}",
@@ -140,6 +146,35 @@ class Cluster:
             self._tasks.append(asyncio.create_task(agent.run()))
         while len(self.scheduler.core.workers) < self.num_workers:
             await asyncio.sleep(0.05)
+
+    async def _start_engines(self) -> None:
+        """Start every engine at once, then run their self-checks; raise the first failure only
+        after every start has ended (so that the caller shuts down all that started)."""
+        from bubblespec.cli.console import ticker
+        from bubblespec.worker.selfcheck import require_self_checks
+
+        factory = self.engine_factory
+        if factory is None:
+            from bubblespec.worker.engine import VllmEngine
+
+            factory = VllmEngine
+        cores = os.cpu_count() or 1
+        self.engines = [factory(_on_core(self.engine_settings, i % cores)) for i in range(self.num_workers)]
+        t0 = time.monotonic()
+
+        async def start(i: int, engine) -> None:
+            await engine.start()
+            self.progress(f"  engine {i + 1}/{self.num_workers} ready after {time.monotonic() - t0:.0f}s")
+
+        tick = asyncio.create_task(ticker(self.progress, "starting engines", self.progress_seconds))
+        try:
+            started = await asyncio.gather(*(start(i, e) for i, e in enumerate(self.engines)), return_exceptions=True)
+        finally:
+            tick.cancel()
+        failed = next((r for r in started if isinstance(r, BaseException)), None)
+        if failed is not None:
+            raise failed
+        self.self_checked = list(await asyncio.gather(*(require_self_checks(e) for e in self.engines)))
 
     @property
     def target(self) -> str:
@@ -151,24 +186,46 @@ class Cluster:
         await stop_agents(self.agents, self._tasks)
         if self.scheduler is not None:
             await self.scheduler.stop(grace=1.0)
-        for engine in self.engines:
-            await engine.shutdown()
+        await self._shutdown_engines()
+
+    async def _shutdown_engines(self) -> None:
+        """Shut every engine down at once; raise the first failure after all of them ended."""
+        ended = await asyncio.gather(*(engine.shutdown() for engine in self.engines), return_exceptions=True)
+        failed = next((r for r in ended if isinstance(r, BaseException)), None)
+        if failed is not None:
+            raise failed
 
 
-def _with_model(a: argparse.Namespace) -> argparse.Namespace:
+def _with_model(a: argparse.Namespace, say=None) -> argparse.Namespace:
     if not a.model:
+        if say is not None and not (TINY_MODEL_DIR / "model.safetensors").exists():
+            say(f"Building the tiny demo model in {TINY_MODEL_DIR} (first run only)...")
         a.model = ensure_tiny_model()
     return a
 
 
+def _tell_start(story, a: argparse.Namespace) -> None:
+    """The first lines of ``up``/``demo``: what starts, and where vLLM's output goes."""
+    story.say(f"Starting a scheduler, an in-process draft store and {a.workers} vLLM workers in this process "
+              f"(model {a.model});")
+    story.say("the engines start in parallel, tens of seconds each on a CPU.")
+    if story.log_path is not None:
+        story.say(f"vLLM's output goes to {story.log_path} (--verbose shows it here).")
+
+
 def up(a: argparse.Namespace) -> int:
-    async def main() -> None:
-        _with_model(a)
-        cluster = Cluster(_scheduler_settings(a, tokenizer=a.tokenizer or a.model), _engine_settings(a), a.workers)
+    from bubblespec.cli.console import quiet_output
+
+    async def main(story) -> None:
+        started = time.monotonic()
+        _with_model(a, story.say)
+        _tell_start(story, a)
+        cluster = Cluster(_scheduler_settings(a, tokenizer=a.tokenizer or a.model), _engine_settings(a), a.workers,
+                          progress=story.say)
         await cluster.start()
         s = cluster.scheduler
-        print(f"BubbleSpec up: gRPC 127.0.0.1:{s.grpc_port}, HTTP http://127.0.0.1:{s.http_port}/ui, "
-              f"{a.workers} workers. Ctrl-C to stop.", flush=True)
+        story.say(f"BubbleSpec up: gRPC 127.0.0.1:{s.grpc_port}, HTTP http://127.0.0.1:{s.http_port}/ui, "
+                  f"{a.workers} workers (started in {time.monotonic() - started:.0f}s). Ctrl-C to stop.")
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -183,11 +240,14 @@ def up(a: argparse.Namespace) -> int:
     from bubblespec.worker.compat import UnsupportedVllm
     from bubblespec.worker.selfcheck import SelfCheckFailed
 
-    try:
-        asyncio.run(main())
-    except (UnsupportedVllm, SelfCheckFailed) as exc:
-        return _refused("up", exc)
-    return 0
+    with quiet_output("up", a.verbose, terminal_level=logging.INFO) as story:
+        try:
+            asyncio.run(main(story))
+        except (UnsupportedVllm, SelfCheckFailed) as exc:
+            refused = exc
+        else:
+            return 0
+    return _refused("up", refused, story.log_path)
 
 
 def bench(a: argparse.Namespace) -> None:
@@ -197,26 +257,36 @@ def bench(a: argparse.Namespace) -> None:
 
 
 def demo(a: argparse.Namespace) -> int:
-    from bubblespec.cli.demo import run_demo
+    from bubblespec.cli.console import quiet_output
+    from bubblespec.cli.demo import DEMO_MODEL_NOTE, run_demo
 
-    async def main() -> None:
+    async def main(story) -> None:
         started = time.monotonic()
-        _with_model(a)
+        random_model = not a.model  # the tiny model, built with random weights
+        _with_model(a, story.say)
+        _tell_start(story, a)
         settings = SchedulerSettings(host="127.0.0.1", grpc_port=0, http_port=0, tokenizer=a.model)
-        cluster = Cluster(settings, _engine_settings(a), a.workers)
+        cluster = Cluster(settings, _engine_settings(a), a.workers, progress=story.say)
         await cluster.start()
-        print(f"cluster up in {time.monotonic() - started:.1f}s: {a.workers} vLLM workers, "
-              f"UI at http://127.0.0.1:{cluster.scheduler.http_port}/ui", flush=True)
+        story.say(f"Cluster up in {time.monotonic() - started:.0f}s: {a.workers} vLLM workers, "
+                  f"UI at http://127.0.0.1:{cluster.scheduler.http_port}/ui")
+        if random_model:
+            story.say(DEMO_MODEL_NOTE)
         try:
-            await run_demo(cluster, a.prompts, a.samples)
+            await run_demo(cluster, a.prompts, a.samples, say=story.say)
         finally:
+            t = time.monotonic()
             await cluster.stop()
+            story.say(f"Stopped the cluster in {time.monotonic() - t:.0f}s; the demo took {time.monotonic() - started:.0f}s.")
 
     from bubblespec.worker.compat import UnsupportedVllm
     from bubblespec.worker.selfcheck import SelfCheckFailed
 
-    try:
-        asyncio.run(main())
-    except (UnsupportedVllm, SelfCheckFailed) as exc:
-        return _refused("demo", exc)
-    return 0
+    with quiet_output("demo", a.verbose) as story:
+        try:
+            asyncio.run(main(story))
+        except (UnsupportedVllm, SelfCheckFailed) as exc:
+            refused = exc
+        else:
+            return 0
+    return _refused("demo", refused, story.log_path)

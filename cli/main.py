@@ -53,11 +53,12 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
     _add(p, "default-logprobs-mode", "processed", "logprobs of steps that name none: processed | raw")
 
 
-def _engine_flags(p: argparse.ArgumentParser) -> None:
+def _engine_flags(p: argparse.ArgumentParser, speculative_tokens: int = 8) -> None:
     _add(p, "model", "", "model directory (default for up/demo: the tiny test model)")
     _add(p, "max-model-len", 1024, "longest prompt + response")
     _add(p, "max-num-seqs", 64, "concurrent requests per engine (capacity)")
-    _add(p, "num-speculative-tokens", 8, "draft tokens per request per step (0 = no speculation)")
+    _add(p, "num-speculative-tokens", speculative_tokens, "most draft tokens per request per step; the draft "
+         "token budget lowers it at larger batches (0 = no speculation)")
     _add(p, "tensor-parallel-size", 1, "GPUs per engine")
     _add(p, "kv-cache-memory-bytes", 256 * 2**20, "KV cache size for CPU engines")
     _add(p, "dtype", "auto", "weights dtype (auto: the checkpoint's on CPU engines, vLLM's choice on GPUs)")
@@ -72,6 +73,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
 def _transfer_flag(p: argparse.ArgumentParser) -> None:
     _add(p, "weight-transfer-backend", "", "vLLM weight-transfer backend for trainer-pushed weights, e.g. nccl "
          "(GPUs; '' = off; docs/INTEGRATIONS.md)")
+
+
+def _verbose_flag(p: argparse.ArgumentParser) -> None:
+    _add(p, "verbose", False, "show vLLM's output (its logs, warnings, progress bars) here instead of "
+         "writing it to a log file under ~/.cache/bubblespec/logs")
 
 
 def _worker_flags(p: argparse.ArgumentParser) -> None:
@@ -101,12 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="scheduler + N vLLM workers + in-process draft store on this machine")
     _add(up, "workers", 2, "number of vLLM workers")
     _add(up, "shutdown-seconds", 60.0, "on SIGTERM: exit after this long even if the drain has not finished")
+    _verbose_flag(up)
     _scheduler_flags(up)
     _engine_flags(up)
     demo = sub.add_parser("demo", help="start `up` and run a two-step rollout through the SDK")
     _add(demo, "workers", 2, "number of vLLM workers")
     _add(demo, "prompts", 16, "prompts per step")
     _add(demo, "samples", 2, "samples per prompt")
+    _verbose_flag(demo)
     _engine_flags(demo)
     sub.add_parser("simulate", help="cluster simulator: the scheduling core at 8-4,096 workers (see --help)",
                    add_help=False)
@@ -120,9 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add(bench, "train-seconds", 0.8, "pause between steps standing in for reward + training (drafting goes on)")
     _add(bench, "update-scale", 3e-5, "RMS of the weight noise standing in for each gradient step")
     _add(bench, "seed", 0, "workload seed")
+    _add(bench, "draft-jobs-during-step", -1, "draft jobs per idle worker while others still run the step "
+                                             "(-1 = the scheduler's default, 16; full width after the step)")
     _add(bench, "json", "", "write the report here")
     bench.add_argument("--quick", action="store_true", help="3 steps x 16 prompts (a few minutes)")
-    _engine_flags(bench)
+    _engine_flags(bench, speculative_tokens=32)  # deep drafts for the tail (docs/BENCHMARKS.md)
     cal = sub.add_parser("calibrate", help="measure an engine's cost per forward pass (the simulator's cost model)")
     _add(cal, "repeats", 3, "runs per measured point (median)")
     _add(cal, "json", "", "write the observations and fitted profile here")

@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,18 +195,16 @@ class VllmEngine:
             speculative_config=spec, worker_extension_cls=EXTENSION,
             additional_config={"bubblespec": {"token_budget": s.draft_token_budget,
                                               "cpu_sampler_fix": s.cpu_sampler_fix},
-                               "bubblespec_lifeline": Lifeline()},  # engine processes die with this one
+                               # engine processes die with this one; their core binding is theirs alone
+                               "bubblespec_lifeline": Lifeline(environ=_child_environ(s))},
             enable_prefix_caching=True,
             weight_transfer_config=({"backend": s.weight_transfer_backend} if s.weight_transfer_backend else None),
         )
         # Engine start-up blocks for tens of seconds: keep the event loop (heartbeats) running.
-        async with _SPAWN_LOCK:  # the engine process reads its core binding from the environment
-            # spawn, not fork: the lifeline reaches an engine process only through a fresh interpreter
-            # (vLLM's CPU platform forces spawn; on CUDA it defaults to fork). A value the operator set stays.
-            spawn = None if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") else "spawn"
-            with _environ(VLLM_CPU_OMP_THREADS_BIND=s.cpu_cores or None, VLLM_WORKER_MULTIPROC_METHOD=spawn):
-                # from the lifeline's long-lived thread: the kernel ties the engine's life to it
-                self._llm = await asyncio.get_running_loop().run_in_executor(STARTER, AsyncLLM.from_engine_args, args)
+        # Several engines start at once (nothing per-engine goes through this process's environment);
+        # each from a lifeline thread that lives as long as the process: the kernel ties the engine's life to it.
+        with _SPAWN_METHOD():
+            self._llm = await asyncio.get_running_loop().run_in_executor(STARTER, AsyncLLM.from_engine_args, args)
         self._tokenizer = self._llm.tokenizer
         vocab = self._llm.model_config.get_vocab_size()
         if spec is not None:
@@ -322,13 +321,16 @@ class VllmEngine:
         return {}
 
     async def shutdown(self) -> None:
+        """Stop the engine processes. Off the event loop: vLLM waits for them (up to
+        ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``), and several engines shut down at once; vLLM
+        hands its event-loop part back through ``call_soon_threadsafe``."""
         if self._llm is not None:
-            self._llm.shutdown()
+            llm = self._llm
+            await asyncio.to_thread(llm.shutdown)
             self._llm = None
             await asyncio.sleep(0)
 
 
-_SPAWN_LOCK = asyncio.Lock()
 # vLLM's finish reasons (vllm.v1.engine.FINISH_REASON_STRINGS) that end a response normally.
 # "abort" and "error" end a request without a result, and "repetition" needs a sampling
 # option this worker never sets: none of them is ever delivered as a completion.
@@ -361,19 +363,43 @@ def _resolve_dtype(dtype: str, model: str) -> str:
     return str(config.get("dtype") or config.get("torch_dtype") or dtype)
 
 
-@contextlib.contextmanager
-def _environ(**values: str | None):
-    """Set environment variables (None = leave as is) for the duration of the block."""
-    old = {k: os.environ.get(k) for k, v in values.items() if v is not None}
-    os.environ.update({k: v for k, v in values.items() if v is not None})
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def _child_environ(s: EngineSettings) -> dict[str, str]:
+    """Environment of this engine's processes only (set there by the ``Lifeline``): vLLM's CPU
+    engine reads its core binding from ``VLLM_CPU_OMP_THREADS_BIND`` (unset: whatever this
+    process's environment says)."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": s.cpu_cores} if s.cpu_cores else {}
+
+
+class _SpawnMethod:
+    """``VLLM_WORKER_MULTIPROC_METHOD=spawn`` while any engine starts, read by vLLM in this
+    process: spawn, not fork, because the lifeline reaches an engine process only through a
+    fresh interpreter (vLLM's CPU platform forces spawn; on CUDA it defaults to fork). Starts
+    overlap, so the first one sets it and the last one removes it; a value the operator set
+    stays as it is."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._starts = 0
+        self._set_here = False
+
+    @contextlib.contextmanager
+    def __call__(self):
+        with self._lock:
+            if self._starts == 0:
+                self._set_here = not os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
+                if self._set_here:
+                    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+            self._starts += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._starts -= 1
+                if self._starts == 0 and self._set_here:
+                    os.environ.pop("VLLM_WORKER_MULTIPROC_METHOD", None)
+
+
+_SPAWN_METHOD = _SpawnMethod()
 
 
 def _pack(tokens: tuple[int, ...]) -> bytes:

@@ -16,9 +16,15 @@ respect to the engine core: killing the owner takes the whole tree down, within 
 and needs nothing from the owner when it dies.
 
 One caveat: Linux delivers the parent-death signal when the *thread* that started the child
-exits, not the process. Engines are therefore started from ``STARTER``, one thread that lives
-as long as the process (asyncio's default executor would do today, but its threads are not
-promised to live that long). On other systems ``_arm`` does nothing.
+exits, not the process. Engines are therefore started from ``STARTER``, a pool whose threads
+live as long as the process (asyncio's default executor would do today, but its threads are
+not promised to live that long); several engines start at once, each from its own thread.
+On other systems ``_arm`` does nothing.
+
+A ``Lifeline`` also carries environment variables for the child (``Lifeline(environ=...)``),
+set there at the same early moment: per-engine settings that vLLM reads from the engine
+process's environment (the CPU cores it binds to) without changing this process's
+environment, so engines with different settings can start concurrently.
 
 ``exit_after(seconds)`` bounds a graceful shutdown: if draining has not finished by then, the
 process exits, and the lifeline takes its engines with it.
@@ -39,8 +45,9 @@ __all__ = ["STARTER", "Lifeline", "exit_after"]
 logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 
-STARTER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="bubblespec-engine-start")
-"""The thread that starts engine processes: it lives until the interpreter exits."""
+STARTER = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="bubblespec-engine-start")
+"""The threads that start engine processes (one per engine starting at the same time): an idle
+pool thread waits for the next start and only exits with the interpreter."""
 
 
 def _set_parent_death_signal(sig: int) -> bool:
@@ -53,20 +60,30 @@ def _set_parent_death_signal(sig: int) -> bool:
     return True
 
 
-def _arm(parent_pid: int, items: dict) -> Lifeline:
-    """Runs where a ``Lifeline`` is unpickled: in a child process, tie its life to the parent."""
-    if os.getpid() != parent_pid and _set_parent_death_signal(signal.SIGKILL) and os.getppid() != parent_pid:
-        os.kill(os.getpid(), signal.SIGKILL)  # the parent died before the signal was armed
-    return Lifeline(items)
+def _arm(parent_pid: int, items: dict, environ: dict[str, str] | None = None) -> Lifeline:
+    """Runs where a ``Lifeline`` is unpickled: in a child process, tie its life to the parent
+    and set the environment variables it carries."""
+    if os.getpid() != parent_pid:
+        if _set_parent_death_signal(signal.SIGKILL) and os.getppid() != parent_pid:
+            os.kill(os.getpid(), signal.SIGKILL)  # the parent died before the signal was armed
+        os.environ.update(environ or {})
+    return Lifeline(items, environ=environ)
 
 
 class Lifeline(dict):
     """A marker for vLLM's ``additional_config``: an (empty) dict, so the config still hashes
     and serializes as before; unpickled in another process, it arms the parent-death signal
-    there (``_arm``). A copy made in the same process (deepcopy) arms nothing."""
+    there and sets ``environ`` in that process's environment (``_arm``). A copy made in the
+    same process (deepcopy) arms and sets nothing."""
+
+    def __init__(self, *args, environ: dict[str, str] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.environ = dict(environ or {})
+        """Environment variables for the child processes (not part of the dict: the config
+        hash stays the same whatever they are)."""
 
     def __reduce__(self):
-        return _arm, (os.getpid(), dict(self))
+        return _arm, (os.getpid(), dict(self), self.environ)
 
 
 def exit_after(seconds: float, what: str = "shutdown") -> threading.Timer:

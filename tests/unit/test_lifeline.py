@@ -80,3 +80,27 @@ def test_a_spawned_child_dies_with_its_parent(tmp_path):
             middle.kill()
         if child is not None and not gone(child):
             os.kill(child, 9)
+
+
+def _child_environ(config, queue) -> None:
+    queue.put(os.environ.get("BUBBLESPEC_LIFELINE_TEST"))
+
+
+def test_a_spawned_child_gets_the_lifeline_environment_and_this_process_does_not():
+    """Per-engine environment (vLLM's CPU core binding) set in the engine process only, so that
+    engines with different values can start at the same time; the config hash stays the same."""
+    import multiprocessing
+
+    lifeline = Lifeline(environ={"BUBBLESPEC_LIFELINE_TEST": "3"})
+    assert json.dumps(lifeline) == "{}" and lifeline == Lifeline()
+    assert copy.deepcopy(lifeline).environ == {"BUBBLESPEC_LIFELINE_TEST": "3"}
+    assert "BUBBLESPEC_LIFELINE_TEST" not in os.environ  # a copy here sets nothing
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    p = ctx.Process(target=_child_environ, args=({"bubblespec_lifeline": lifeline}, queue))
+    p.start()
+    try:
+        assert queue.get(timeout=60) == "3"
+    finally:
+        p.join(30)
+    assert "BUBBLESPEC_LIFELINE_TEST" not in os.environ
