@@ -109,15 +109,16 @@ def quiet_output(command: str, verbose: bool = False, terminal_level: int = logg
         terminal.close()
 
 
-async def ticker(say, what: str, first: float = 10.0) -> None:
+async def ticker(say, what: str, first: float = 10.0, *, clock=time.monotonic, sleep=asyncio.sleep) -> None:
     """``say`` "<what>... <n>s" after ``first`` seconds, then each time the wait has doubled
     (10, 20, 40, 80 s...) until cancelled: progress of a long wait in a few lines. Ticks missed
-    while the event loop was busy are skipped, not repeated."""
-    started = time.monotonic()
+    while the event loop was busy are skipped, not repeated. ``clock`` and ``sleep`` are seams
+    for tests."""
+    started = clock()
     at = first
     while True:
-        await asyncio.sleep(max(0.0, at - (time.monotonic() - started)))
-        elapsed = time.monotonic() - started
+        await sleep(max(0.0, at - (clock() - started)))
+        elapsed = clock() - started
         say(f"  {what}... {elapsed:.0f}s")
         while at <= elapsed:
             at *= 2

@@ -82,7 +82,7 @@ def test_verbose_leaves_all_output_on_the_terminal(tmp_path):
     assert not log.exists()
 
 
-async def test_the_progress_ticker_doubles_its_interval_and_skips_missed_ticks(monkeypatch):
+async def test_the_progress_ticker_doubles_its_interval_and_skips_missed_ticks():
     """Few lines for a long wait (10, 20, 40 s...), and one line, not a burst, after the event
     loop was busy past several ticks (a blocking import). A fake clock drives it."""
     import asyncio
@@ -90,7 +90,6 @@ async def test_the_progress_ticker_doubles_its_interval_and_skips_missed_ticks(m
     from bubblespec.cli import console
 
     now = [0.0]
-    monkeypatch.setattr(console.time, "monotonic", lambda: now[0])
     said: list[str] = []
     sleeps: list[float] = []
     real_sleep = asyncio.sleep
@@ -102,9 +101,8 @@ async def test_the_progress_ticker_doubles_its_interval_and_skips_missed_ticks(m
             raise asyncio.CancelledError
         await real_sleep(0)
 
-    monkeypatch.setattr(console.asyncio, "sleep", sleep)
-    try:
-        await console.ticker(said.append, "starting engines", first=10.0)
+    try:  # injected, not patched: asyncio.sleep is shared with every task on the test session's loop
+        await console.ticker(said.append, "starting engines", first=10.0, clock=lambda: now[0], sleep=sleep)
     except asyncio.CancelledError:
         pass
     assert said == ["  starting engines... 76s", "  starting engines... 80s", "  starting engines... 160s"]
