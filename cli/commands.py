@@ -89,6 +89,23 @@ def _refused(command: str, exc: Exception, log_path: Path | None = None) -> int:
     return REFUSED_STATUS
 
 
+def _run_told(command: str, verbose: bool, main, **quiet) -> int:
+    """``asyncio.run(main(story))`` under ``quiet_output``: 0, or ``REFUSED_STATUS`` with the
+    reason and the log path when the worker's vLLM is unsupported or fails its self-checks."""
+    from bubblespec.cli.console import quiet_output
+    from bubblespec.worker.compat import UnsupportedVllm
+    from bubblespec.worker.selfcheck import SelfCheckFailed
+
+    with quiet_output(command, verbose, **quiet) as story:
+        try:
+            asyncio.run(main(story))
+        except (UnsupportedVllm, SelfCheckFailed) as exc:
+            refused = exc
+        else:
+            return 0
+    return _refused(command, refused, story.log_path)
+
+
 def _on_core(settings: EngineSettings, core: int) -> EngineSettings:
     """Pin a CPU engine to one core unless the settings name cores already."""
     from dataclasses import replace
@@ -214,8 +231,6 @@ def _tell_start(story, a: argparse.Namespace) -> None:
 
 
 def up(a: argparse.Namespace) -> int:
-    from bubblespec.cli.console import quiet_output
-
     async def main(story) -> None:
         started = time.monotonic()
         _with_model(a, story.say)
@@ -237,17 +252,7 @@ def up(a: argparse.Namespace) -> int:
             await cluster.stop()  # also shuts the vLLM engine processes down
             deadline.cancel()
 
-    from bubblespec.worker.compat import UnsupportedVllm
-    from bubblespec.worker.selfcheck import SelfCheckFailed
-
-    with quiet_output("up", a.verbose, terminal_level=logging.INFO) as story:
-        try:
-            asyncio.run(main(story))
-        except (UnsupportedVllm, SelfCheckFailed) as exc:
-            refused = exc
-        else:
-            return 0
-    return _refused("up", refused, story.log_path)
+    return _run_told("up", a.verbose, main, terminal_level=logging.INFO)
 
 
 def bench(a: argparse.Namespace) -> None:
@@ -257,7 +262,6 @@ def bench(a: argparse.Namespace) -> None:
 
 
 def demo(a: argparse.Namespace) -> int:
-    from bubblespec.cli.console import quiet_output
     from bubblespec.cli.demo import DEMO_MODEL_NOTE, run_demo
 
     async def main(story) -> None:
@@ -279,14 +283,4 @@ def demo(a: argparse.Namespace) -> int:
             await cluster.stop()
             story.say(f"Stopped the cluster in {time.monotonic() - t:.0f}s; the demo took {time.monotonic() - started:.0f}s.")
 
-    from bubblespec.worker.compat import UnsupportedVllm
-    from bubblespec.worker.selfcheck import SelfCheckFailed
-
-    with quiet_output("demo", a.verbose) as story:
-        try:
-            asyncio.run(main(story))
-        except (UnsupportedVllm, SelfCheckFailed) as exc:
-            refused = exc
-        else:
-            return 0
-    return _refused("demo", refused, story.log_path)
+    return _run_told("demo", a.verbose, main)
