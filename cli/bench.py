@@ -182,7 +182,7 @@ def print_table(table: list[dict]) -> None:
 
 async def run_bench(cluster, prompts: list[list], base_model: str, cfg: BenchConfig) -> dict:
     """Run every arm on ``cluster``; return the JSON-able report."""
-    from bubblespec.worker.tiny_model import perturb_weights
+    from bubblespec.bench.tiny_model import perturb_weights
 
     rows, outputs = [], {}
     started = time.monotonic()
@@ -208,7 +208,7 @@ async def run_bench(cluster, prompts: list[list], base_model: str, cfg: BenchCon
 
 
 def bench_prompts(cfg: BenchConfig) -> list[list]:
-    from bubblespec.worker.rlvr import make_prompts
+    from bubblespec.bench.rlvr import make_prompts
 
     return [make_prompts(cfg.prompts, seed=cfg.seed * 1000 + s) for s in range(cfg.steps + cfg.lookahead_steps)]
 
@@ -219,7 +219,7 @@ RLVR_MODEL_DIR = Path.home() / ".cache" / "bubblespec" / "rlvr-model"
 def ensure_rlvr_model(path: Path = RLVR_MODEL_DIR) -> str:
     """The model trained on the arithmetic task, trained here on first use (a few minutes)."""
     if not (path / "model.safetensors").exists():
-        from bubblespec.worker.rlvr import train_rlvr_model
+        from bubblespec.bench.rlvr import train_rlvr_model
 
         print(f"training the RLVR model into {path} (first run only) ...", flush=True)
         train_rlvr_model(path)

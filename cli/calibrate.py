@@ -1,6 +1,6 @@
 """``bubblespec calibrate``: measure one engine's cost per forward pass, for the simulator.
 
-The simulator's cost model (``bubblespec.scheduler.sim.costs``) charges a forward pass
+The simulator's cost model (``bubblespec.bench.sim.costs``) charges a forward pass
 
     base + per_seq * batch + per_draft_token * draft tokens + prefill_per_token * prompt tokens
 
@@ -14,7 +14,7 @@ requests that each decode exactly ``L`` tokens (``ignore_eos``, greedy), for sev
 
 Seconds per pass (wall time over forward passes, so everything a pass costs the service is
 in it) are fitted by least squares (see ``fit``); a negative constant is clipped to 0. The
-result prints as a ``CostProfile`` to paste into ``bubblespec.scheduler.sim.costs``.
+result prints as a ``CostProfile`` to paste into ``bubblespec.bench.sim.costs``.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def _engine_settings(a: argparse.Namespace) -> EngineSettings:
 
 def ensure_tiny_model(path: Path = TINY_MODEL_DIR) -> str:
     if not (path / "model.safetensors").exists():
-        from bubblespec.worker.tiny_model import build_tiny_model
+        from bubblespec.bench.tiny_model import build_tiny_model
 
         build_tiny_model(path)
     return str(path)

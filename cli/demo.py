@@ -44,7 +44,7 @@ def _row(s: StepSummary) -> str:
 
 async def run_demo(cluster, prompts_per_step: int, samples: int, say=print) -> None:
     """Run the two steps, telling ``say`` what happens; end with the table and its legend."""
-    from bubblespec.worker.tiny_model import perturb_weights
+    from bubblespec.bench.tiny_model import perturb_weights
 
     sampling = SamplingParams(temperature=0.0, max_tokens=192)
     steps = [demo_prompts(1, prompts_per_step), demo_prompts(2, prompts_per_step)]

@@ -8,7 +8,7 @@ What runs (docs/LOAD.md has the how-to and a measured run):
   the real ``Scheduler`` (gRPC, HTTP, metrics, ticks, journal), alone in its process so that
   /proc/<pid> gives its own memory and CPU;
 - N ``WorkerAgent``s in worker processes of their own (``cli/loadtest_workers.py``; one per
-  CPU core by default, each hosting a share), each driving a ``SimulatedEngine`` (no model)
+  CPU core by default, each hosting a share), each driving a ``LoadTestEngine`` (no model)
   and dialing the scheduler over loopback gRPC like any worker: the load generator neither
   starves the trainer nor shares its event loop;
 - the trainer: ``AsyncRolloutClient`` runs S steps, each ``UpdatePolicy`` (the barrier every

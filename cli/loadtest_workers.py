@@ -1,7 +1,7 @@
 """The load test's simulated workers, in processes of their own (``bubblespec loadtest``).
 
 Each worker process (``python -m bubblespec.cli.loadtest_workers '<json>'``) hosts a share of
-the N ``WorkerAgent``s, each with its own ``SimulatedEngine`` and draft store and its own gRPC
+the N ``WorkerAgent``s, each with its own ``LoadTestEngine`` and draft store and its own gRPC
 stream to the scheduler, exactly like a deployed worker. The load-test process (the trainer)
 talks to them over their stdin/stdout, one JSON line per command and per answer:
 
@@ -118,15 +118,15 @@ class _Workers:
         from bubblespec.store import StoreSettings, open_store
         from bubblespec.worker.agent import WorkerSettings
         from bubblespec.worker.engine import EngineSettings
-        from bubblespec.worker.sim_engine import SimEngineSettings, SimulatedEngine
+        from bubblespec.bench.load_engine import LoadEngineSettings, LoadTestEngine
 
         s, c = self.settings, self.config
         max_len = s.max_tokens + 2 * s.prompt_tokens + 8
-        sim = SimEngineSettings(step_seconds=s.step_seconds, batch_slope_seconds=s.batch_slope_seconds,
+        sim = LoadEngineSettings(step_seconds=s.step_seconds, batch_slope_seconds=s.batch_slope_seconds,
                                 max_model_len=max_len, max_num_seqs=s.capacity, median_tokens=s.median_tokens)
         agent_cls = _timed_agent_class()
         for i in range(c["first"], c["first"] + c["count"]):
-            engine = SimulatedEngine(replace(sim, seed=s.seed * 1000 + i))
+            engine = LoadTestEngine(replace(sim, seed=s.seed * 1000 + i))
             await engine.start()
             ws = WorkerSettings(scheduler=c["target"], worker_id=f"sim-{i}",
                                 engine=EngineSettings(model="simulated", max_model_len=max_len, max_num_seqs=s.capacity))

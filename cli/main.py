@@ -153,18 +153,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["simulate"]:  # the simulator owns its flags
-        from bubblespec.scheduler.sim.__main__ import main as simulate
+        from bubblespec.bench.sim.__main__ import main as simulate
 
         return simulate(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "make-tiny-model":
-        from bubblespec.worker.tiny_model import build_tiny_model
+        from bubblespec.bench.tiny_model import build_tiny_model
 
         print(build_tiny_model(args.dir, seed=args.seed))
         return 0
     if args.command == "make-rlvr-model":
-        from bubblespec.worker.rlvr import train_rlvr_model
+        from bubblespec.bench.rlvr import train_rlvr_model
 
         stats = train_rlvr_model(args.dir, seed=args.seed, steps=args.steps)
         print(f"{stats['path']}: loss {stats['final_loss']:.4f} after {stats['seconds']:.0f}s")

@@ -31,7 +31,7 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from bubblespec.client import Prompt, RolloutClient, SamplingParams
-from bubblespec.worker.rlvr import make_prompts, reward, token_entropy
+from bubblespec.bench.rlvr import make_prompts, reward, token_entropy
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 

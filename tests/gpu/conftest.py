@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from bubblespec.worker.engine import VllmEngine
-from bubblespec.worker.tiny_model import build_tiny_model
+from bubblespec.bench.tiny_model import build_tiny_model
 from tests.integration.conftest import engine_settings
 
 HERE = Path(__file__).resolve().parent

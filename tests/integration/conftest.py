@@ -14,7 +14,7 @@ from bubblespec.cli.commands import Cluster
 from bubblespec.scheduler.settings import SchedulerSettings
 from bubblespec.store import StoreSettings
 from bubblespec.worker.engine import EngineSettings, VllmEngine
-from bubblespec.worker.tiny_model import build_tiny_model
+from bubblespec.bench.tiny_model import build_tiny_model
 from tests.support.redis_server import RedisServer
 
 MAX_LEN = 512

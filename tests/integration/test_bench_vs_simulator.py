@@ -18,9 +18,9 @@ import statistics
 
 from bubblespec.cli.bench import BenchConfig, run_bench
 from bubblespec.client import Prompt
-from bubblespec.scheduler.sim.costs import CPU_TINY
-from bubblespec.scheduler.sim.simulator import SimSettings, simulate
-from bubblespec.scheduler.sim.workload import AcceptanceModel, TraceWorkload
+from bubblespec.bench.sim.costs import CPU_TINY
+from bubblespec.bench.sim.simulator import SimSettings, simulate
+from bubblespec.bench.sim.workload import AcceptanceModel, TraceWorkload
 from tests.factories import token_prompts
 
 CLEAR_GAP = 1.5

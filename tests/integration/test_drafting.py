@@ -12,7 +12,7 @@ import redis
 
 from bubblespec.client import Prompt, SamplingParams, SchedulingPolicy
 from bubblespec.store import prompt_key
-from bubblespec.worker.tiny_model import perturb_weights
+from bubblespec.bench.tiny_model import perturb_weights
 from tests.factories import token_prompts
 from tests.support.exactness import check_greedy_identity
 

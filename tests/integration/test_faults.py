@@ -27,7 +27,7 @@ from bubblespec.scheduler.core.types import Assign, LoadPolicy
 from bubblespec.scheduler.server import Scheduler
 from bubblespec.scheduler.settings import SchedulerSettings
 from bubblespec.worker.agent import WorkerAgent, WorkerSettings, stop_agents
-from bubblespec.worker.tiny_model import perturb_weights
+from bubblespec.bench.tiny_model import perturb_weights
 from tests.factories import generate_request, raw_generate, token_prompts
 from tests.support.proxy import CuttableProxy
 

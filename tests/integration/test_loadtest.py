@@ -16,17 +16,17 @@ from bubblespec.cli.loadtest import (
 )
 from bubblespec.client.types import FinishReason, SamplingParams
 from bubblespec.worker.engine import EngineRequest
-from bubblespec.worker.sim_engine import (
+from bubblespec.bench.load_engine import (
     EOS_TOKEN_ID,
-    SimEngineSettings,
-    SimulatedEngine,
+    LoadEngineSettings,
+    LoadTestEngine,
 )
 
-FAST = SimEngineSettings(step_seconds=0.001, batch_slope_seconds=0.0, median_tokens=12, progress_tokens=4,
+FAST = LoadEngineSettings(step_seconds=0.001, batch_slope_seconds=0.0, median_tokens=12, progress_tokens=4,
                          vocab_size=1000, max_model_len=128)
 
 
-async def _final(engine: SimulatedEngine, request: EngineRequest):
+async def _final(engine: LoadTestEngine, request: EngineRequest):
     outputs = [out async for out in engine.generate(request)]
     assert all(o.finish_reason is None for o in outputs[:-1])
     return outputs[-1]
@@ -34,7 +34,7 @@ async def _final(engine: SimulatedEngine, request: EngineRequest):
 
 @pytest.fixture
 async def engine():
-    e = SimulatedEngine(FAST)
+    e = LoadTestEngine(FAST)
     await e.start()
     yield e
     await e.shutdown()
@@ -42,7 +42,7 @@ async def engine():
 
 async def test_simulated_engine_is_named_and_greedy_is_reproducible(engine):
     assert engine.info.model == "simulated" and engine.info.speculation is False
-    other = SimulatedEngine(SimEngineSettings(**{**FAST.__dict__, "seed": 99}))
+    other = LoadTestEngine(LoadEngineSettings(**{**FAST.__dict__, "seed": 99}))
     await other.start()
     try:
         greedy = SamplingParams(temperature=0.0, max_tokens=64)
@@ -77,7 +77,7 @@ async def test_simulated_engine_respects_limits(engine):
 
 
 async def test_simulated_engine_batches_and_aborts(engine):
-    slow = SimulatedEngine(SimEngineSettings(**{**FAST.__dict__, "max_num_seqs": 2, "step_seconds": 0.01}))
+    slow = LoadTestEngine(LoadEngineSettings(**{**FAST.__dict__, "max_num_seqs": 2, "step_seconds": 0.01}))
     await slow.start()
     try:
         sp = SamplingParams(max_tokens=1000 - 1, ignore_eos=True)
@@ -139,8 +139,8 @@ async def test_worker_whose_engine_died_leaves_and_its_work_is_done_elsewhere():
 
     sched = Scheduler(SchedulerSettings(host="127.0.0.1", grpc_port=0, http_port=-1))
     await sched.start()
-    slow = SimEngineSettings(**{**FAST.__dict__, "step_seconds": 0.02, "median_tokens": 40})
-    engines = [SimulatedEngine(slow), SimulatedEngine(slow)]
+    slow = LoadEngineSettings(**{**FAST.__dict__, "step_seconds": 0.02, "median_tokens": 40})
+    engines = [LoadTestEngine(slow), LoadTestEngine(slow)]
     for e in engines:
         await e.start()
     agents = [WorkerAgent(WorkerSettings(scheduler=f"127.0.0.1:{sched.grpc_port}", worker_id=f"w{i}",

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bubblespec.cli.commands import Cluster  # noqa: F401 (type of Ran.cluster)
 from bubblespec.client import SamplingParams, StepResult
-from bubblespec.worker.tiny_model import perturb_weights
+from bubblespec.bench.tiny_model import perturb_weights
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(1200)]
 

@@ -24,7 +24,7 @@ from bubblespec.scheduler.server import Scheduler
 from bubblespec.scheduler.settings import SchedulerSettings
 from bubblespec.worker.agent import WorkerAgent, WorkerSettings, stop_agents
 from bubblespec.worker.engine import EngineSettings
-from bubblespec.worker.sim_engine import SimEngineSettings, SimulatedEngine
+from bubblespec.bench.load_engine import LoadEngineSettings, LoadTestEngine
 from tests.support.fake_worker import FakeWorker, fake_tokens, wait_until
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
@@ -94,7 +94,7 @@ async def test_an_assignment_too_big_for_the_workers_fails_the_step_not_the_clus
     agents, tasks, engines = [], [], []
     try:
         for i in range(2):
-            engine = SimulatedEngine(SimEngineSettings(vocab_size=128, max_model_len=512, step_seconds=0.001,
+            engine = LoadTestEngine(LoadEngineSettings(vocab_size=128, max_model_len=512, step_seconds=0.001,
                                                        median_tokens=4, seed=i))
             await engine.start()
             ws = WorkerSettings(scheduler=target(scheduler), worker_id=f"w{i}", max_message_bytes=64 * 1024,

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from bubblespec.client.types import Prompt, SamplingParams
-from bubblespec.worker.tiny_model import perturb_weights
+from bubblespec.bench.tiny_model import perturb_weights
 from tests.factories import token_prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]

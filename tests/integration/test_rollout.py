@@ -16,7 +16,7 @@ import pytest
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.client import Prompt, SamplingParams, SchedulingPolicy
 from bubblespec.worker.engine import EngineRequest
-from bubblespec.worker.tiny_model import perturb_weights
+from bubblespec.bench.tiny_model import perturb_weights
 from tests.factories import GREEDY, generate_request, raw_generate, token_prompts
 
 pytestmark = pytest.mark.vllm

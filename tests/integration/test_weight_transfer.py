@@ -27,7 +27,7 @@ from bubblespec.scheduler.server import Scheduler
 from bubblespec.scheduler.settings import SchedulerSettings
 from bubblespec.worker.agent import WorkerAgent, WorkerSettings, stop_agents
 from bubblespec.worker.engine import EngineSettings
-from bubblespec.worker.sim_engine import SimEngineSettings, SimulatedEngine
+from bubblespec.bench.load_engine import LoadEngineSettings, LoadTestEngine
 from tests.support.fake_worker import FakeWorker, wait_until
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
@@ -383,7 +383,7 @@ async def test_the_worker_agent_answers_control_calls_and_refuses_a_transferred_
     succeeds) joins after an update pushed by weight transfer."""
     s = await started()
     c = await cluster_of(s, fakes(s, 2))
-    engine = SimulatedEngine(SimEngineSettings(vocab_size=128, max_model_len=512, step_seconds=0.001, median_tokens=4))
+    engine = LoadTestEngine(LoadEngineSettings(vocab_size=128, max_model_len=512, step_seconds=0.001, median_tokens=4))
     await engine.start()
     agent = WorkerAgent(WorkerSettings(scheduler=c.target(), worker_id="sim-0", heartbeat_seconds=0.2,
                                        engine=EngineSettings(model="simulated", max_model_len=512, max_num_seqs=4)),
@@ -406,10 +406,10 @@ async def test_the_worker_agent_answers_control_calls_and_refuses_a_transferred_
         await close(c)
 
 
-class _ReceivingEngine(SimulatedEngine):
+class _ReceivingEngine(LoadTestEngine):
     """A simulated engine whose weight-transfer calls succeed (and are recorded)."""
 
-    def __init__(self, settings: SimEngineSettings):
+    def __init__(self, settings: LoadEngineSettings):
         super().__init__(settings)
         self.calls: list[tuple[str, dict]] = []
 
@@ -420,7 +420,7 @@ class _ReceivingEngine(SimulatedEngine):
 
 async def test_worker_agents_serve_the_transferred_version_only_after_finish():
     s = await started()
-    engines = [_ReceivingEngine(SimEngineSettings(vocab_size=128, max_model_len=512, step_seconds=0.001,
+    engines = [_ReceivingEngine(LoadEngineSettings(vocab_size=128, max_model_len=512, step_seconds=0.001,
                                                   median_tokens=4, seed=i)) for i in range(2)]
     agents, tasks = [], []
     http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{s.http_port}", timeout=30)

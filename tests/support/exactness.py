@@ -21,7 +21,7 @@ from bubblespec.client import SamplingParams
 from bubblespec.worker.checkpoint import CheckpointError
 from bubblespec.worker.draft_index import SOURCES
 from bubblespec.worker.engine import EngineRequest
-from bubblespec.worker.tiny_model import perturb_weights
+from bubblespec.bench.tiny_model import perturb_weights
 from tests.factories import token_prompts
 
 __all__ = ["PROMPT", "SAMPLES", "SAMPLING", "adversarial_candidates", "check_greedy_identity",

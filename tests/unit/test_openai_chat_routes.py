@@ -19,7 +19,7 @@ from bubblespec.scheduler.core.validate import Limits
 from bubblespec.scheduler.openai_api import create_router
 from bubblespec.scheduler.openai_chat import load_chat_template, parse_messages, render_chat
 from bubblespec.scheduler.settings import SchedulerSettings
-from bubblespec.worker.tiny_model import CHAT_TEMPLATE, build_tiny_tokenizer
+from bubblespec.bench.tiny_model import CHAT_TEMPLATE, build_tiny_tokenizer
 
 CHATS = [
     [{"role": "user", "content": "2+2="}],

@@ -2,8 +2,8 @@
 
 import pytest
 
-from bubblespec.worker import rlvr
-from bubblespec.worker.tiny_model import TINY_VOCAB
+from bubblespec.bench import rlvr
+from bubblespec.bench.tiny_model import TINY_VOCAB
 
 
 def test_prompts_are_deterministic_by_seed():

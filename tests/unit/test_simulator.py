@@ -1,4 +1,4 @@
-"""Unit tests of the cluster simulator (``bubblespec.scheduler.sim``): the cost model, the
+"""Unit tests of the cluster simulator (``bubblespec.bench.sim``): the cost model, the
 workload, the simulated engine, and whole simulated runs that drive the real SchedulerCore."""
 
 from __future__ import annotations
@@ -7,17 +7,17 @@ import math
 
 import pytest
 from bubblespec.client.types import SchedulingPolicy
-from bubblespec.scheduler.sim.__main__ import main
-from bubblespec.scheduler.sim.costs import CPU_TINY, GPU_H100_7B, PROFILES, CostProfile
-from bubblespec.scheduler.sim.engine import Member, SimulatedEngine
-from bubblespec.scheduler.sim.simulator import (
+from bubblespec.bench.sim.__main__ import main
+from bubblespec.bench.sim.costs import CPU_TINY, GPU_H100_7B, PROFILES, CostProfile
+from bubblespec.bench.sim.engine import Member, SimulatedEngine
+from bubblespec.bench.sim.simulator import (
     SimResult,
     SimSettings,
     SimStalled,
     _Simulation,
     simulate,
 )
-from bubblespec.scheduler.sim.workload import (
+from bubblespec.bench.sim.workload import (
     AcceptanceModel,
     LengthModel,
     Workload,
@@ -293,7 +293,7 @@ def test_cli_prints_a_table_with_speedups_against_static(capsys: pytest.CaptureF
 
 
 def test_trace_workload_replays_recorded_lengths() -> None:
-    from bubblespec.scheduler.sim.workload import TraceWorkload
+    from bubblespec.bench.sim.workload import TraceWorkload
 
     trace = TraceWorkload(((30, 30, 300, 30), (40, 250, 40, 40)), max_tokens=512)
     r = simulate("queue", 2, 8, 2, CPU_TINY, False, 0, workload=trace, settings=SimSettings(capacity=8, samples=2))
@@ -345,7 +345,7 @@ def test_cli_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_default_requests_grow_with_the_worker_count() -> None:
-    from bubblespec.scheduler.sim.__main__ import requests_for
+    from bubblespec.bench.sim.__main__ import requests_for
 
     assert requests_for(8, "auto", 8) == 16384
     assert requests_for(512, "auto", 8) == 32768

@@ -30,7 +30,7 @@ from bubblespec.integrations.trl import (
     BubbleSpecLookahead, DirectoryWeightSync, PromptSchedule, RoundShape, lookahead_sampling, replayable_copy,
 )
 from bubblespec.worker.checkpoint import check_checkpoint, read_checkpoint
-from bubblespec.worker.tiny_model import build_tiny_model
+from bubblespec.bench.tiny_model import build_tiny_model
 
 PROMPTS = [f"{a}+{b}=" for a in range(4) for b in range(3)]  # 12 text prompts
 

@@ -22,8 +22,8 @@ import heapq
 import itertools
 from dataclasses import dataclass
 
-from bubblespec.scheduler.sim.costs import CostProfile
-from bubblespec.scheduler.sim.workload import AcceptanceModel, expected_accepted
+from bubblespec.bench.sim.costs import CostProfile
+from bubblespec.bench.sim.workload import AcceptanceModel, expected_accepted
 
 __all__ = ["Member", "SimulatedEngine"]
 

@@ -1,8 +1,8 @@
-"""``python -m bubblespec.scheduler.sim``: compare scheduling policies on a simulated cluster.
+"""``python -m bubblespec.bench.sim``: compare scheduling policies on a simulated cluster.
 
 Example::
 
-    python -m bubblespec.scheduler.sim --workers 8,64,512,4096 --requests 65536 --steps 2
+    python -m bubblespec.bench.sim --workers 8,64,512,4096 --requests 65536 --steps 2
 
 For every worker count it simulates each policy on the same seeded workload and prints one
 row per policy: figures of the reported steps (all but the first, which has no drafts to use)
@@ -18,10 +18,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
-from bubblespec.scheduler.sim.attribution import format_tail
-from bubblespec.scheduler.sim.costs import PROFILES
-from bubblespec.scheduler.sim.simulator import SimResult, SimSettings, simulate
-from bubblespec.scheduler.sim.workload import AcceptanceModel, LengthModel, Workload
+from bubblespec.bench.sim.attribution import format_tail
+from bubblespec.bench.sim.costs import PROFILES
+from bubblespec.bench.sim.simulator import SimResult, SimSettings, simulate
+from bubblespec.bench.sim.workload import AcceptanceModel, LengthModel, Workload
 
 __all__ = ["format_table", "main"]
 
@@ -34,7 +34,7 @@ COLUMNS = ("workers", "requests", "policy", "makespan_s", "speedup", "per_seed",
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bubblespec.scheduler.sim", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m bubblespec.bench.sim", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--workers", default="8,64,512", help="comma-separated worker counts")
     p.add_argument("--requests", default="auto",

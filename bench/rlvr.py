@@ -18,7 +18,7 @@ docs/WORKLOAD.md has the measured numbers.
     train_rlvr_model("/tmp/rlvr-model")          # HuggingFace dir, loadable by vLLM
     reward("a7+b2+c3=", "b:7+2=9;c:9+3=12;#12")  # 1.0: the answer after '#' is right
 
-    python -m bubblespec.worker.rlvr /tmp/rlvr-model   # accuracy, lengths, token entropy
+    python -m bubblespec.bench.rlvr /tmp/rlvr-model   # accuracy, lengths, token entropy
 
 Torch and transformers are imported inside the functions that need them: the task itself
 (prompts, targets, rewards) is plain Python.
@@ -37,7 +37,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from bubblespec.worker.tiny_model import TINY_VOCAB, build_tiny_model
+from bubblespec.bench.tiny_model import TINY_VOCAB, build_tiny_model
 
 __all__ = [
     "EOS_ID", "TaskSettings", "TrainSettings", "decode", "encode", "evaluate", "length_stats",
@@ -443,7 +443,7 @@ def evaluate(model, prompts: Sequence[str], *, temperature: float = 0.0, seed: i
 
 
 def _main(argv: Sequence[str] | None = None) -> None:
-    """``python -m bubblespec.worker.rlvr DIR``: accuracy, lengths and entropy of a policy."""
+    """``python -m bubblespec.bench.rlvr DIR``: accuracy, lengths and entropy of a policy."""
     import argparse
 
     p = argparse.ArgumentParser(description=_main.__doc__)

@@ -5,7 +5,7 @@
 running sequence (reading its KV cache, sampling), a cost per draft token verified in the same
 forward pass, and a cost per prompt token prefilled in that pass. Decode at the batch sizes of
 RL rollout is memory-bound, so draft tokens cost little until the step turns compute-bound; the
-draft-length rule in :mod:`bubblespec.scheduler.sim.workload` keeps drafts under that point.
+draft-length rule in :mod:`bubblespec.bench.sim.workload` keeps drafts under that point.
 
 Every constant says where it comes from. Measured constants replace placeholders; nothing here
 is a claim about a real engine beyond what its ``source`` says.

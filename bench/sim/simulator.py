@@ -5,7 +5,7 @@ hello (``add_worker``), a trainer submits steps (``submit_step`` with the next s
 lookahead), workers report completions (``on_completion``), draft results
 (``on_draft_result``), progress (``on_progress``) and heartbeats, and a periodic ``tick`` runs
 the straggler and liveness checks. The actions the core returns are carried out on simulated
-engines (:class:`~bubblespec.scheduler.sim.engine.SimulatedEngine`): ``Assign`` starts a request,
+engines (:class:`~bubblespec.bench.sim.engine.SimulatedEngine`): ``Assign`` starts a request,
 ``Abort`` drops one, ``StartDraft`` / ``StopDraft`` run and preempt draft jobs, ``Deliver`` and
 ``StepFinished`` are recorded. The core's clock is the simulator's ``now``.
 
@@ -52,10 +52,10 @@ from bubblespec.scheduler.core.types import (
     WorkerHello,
 )
 from bubblespec.scheduler.core.validate import Limits, build_step
-from bubblespec.scheduler.sim.attribution import TailLog, TailRequest
-from bubblespec.scheduler.sim.costs import CostProfile
-from bubblespec.scheduler.sim.engine import Member, SimulatedEngine
-from bubblespec.scheduler.sim.workload import AcceptanceModel, SimPrompt, TraceWorkload, Workload
+from bubblespec.bench.sim.attribution import TailLog, TailRequest
+from bubblespec.bench.sim.costs import CostProfile
+from bubblespec.bench.sim.engine import Member, SimulatedEngine
+from bubblespec.bench.sim.workload import AcceptanceModel, SimPrompt, TraceWorkload, Workload
 
 __all__ = ["SimResult", "SimSettings", "SimStalled", "StepStats", "simulate"]
 

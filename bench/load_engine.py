@@ -1,6 +1,6 @@
 """A simulated engine: emulates the cost and the tokens of generation without any model.
 
-``SimulatedEngine`` implements the ``Engine`` protocol for load and scale tests of the control
+``LoadTestEngine`` implements the ``Engine`` protocol for load and scale tests of the control
 plane (``bubblespec loadtest``). It loads no model and computes no logits: its tokens are
 pseudo-random and its logprobs are made up. It is never a substitute for vLLM in a test that
 claims real generation, and it says so: its model name is ``"simulated"``.
@@ -35,7 +35,7 @@ from bubblespec.client.types import FinishReason, Provenance
 from bubblespec.worker.checkpoint import CheckpointError
 from bubblespec.worker.engine import EngineInfo, EngineOutput, EngineRequest
 
-__all__ = ["EOS_TOKEN_ID", "SimEngineSettings", "SimulatedEngine"]
+__all__ = ["EOS_TOKEN_ID", "LoadEngineSettings", "LoadTestEngine"]
 
 EOS_TOKEN_ID = 2
 FIRST_TOKEN_ID = 3  # 0 pad, 1 bos, 2 eos are never drawn at random
@@ -43,7 +43,7 @@ MODEL_NAME = "simulated"
 
 
 @dataclass(frozen=True)
-class SimEngineSettings:
+class LoadEngineSettings:
     """Settings of one simulated engine (no model: cost and token statistics only)."""
 
     step_seconds: float = 0.02
@@ -68,7 +68,7 @@ class SimEngineSettings:
     seed: int = 0
     """Seed of the generator that unseeded requests draw from."""
 
-    def validate(self) -> SimEngineSettings:
+    def validate(self) -> LoadEngineSettings:
         """Return self if every field is usable, else raise ValueError naming the field."""
         for name in ("step_seconds", "batch_slope_seconds", "load_seconds"):
             value = getattr(self, name)
@@ -101,10 +101,10 @@ class _Run:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-class SimulatedEngine:
+class LoadTestEngine:
     """An ``Engine`` that emulates generation: timing from a cost model, pseudo-random tokens."""
 
-    def __init__(self, settings: SimEngineSettings = SimEngineSettings()):
+    def __init__(self, settings: LoadEngineSettings = LoadEngineSettings()):
         self.settings = settings.validate()
         self.info = EngineInfo(MODEL_NAME, settings.max_model_len, settings.vocab_size, False)
         self.weights_path = ""

@@ -1,0 +1,92 @@
+"""The package boundaries the layout promises, checked on the source.
+
+- The runtime packages (scheduler, worker, store, client, telemetry, integrations, api) never
+  import the bench package (RLVR workload, tiny model, simulated engines) or the CLI.
+- No import cycles between modules (module-level imports; imports inside functions and under
+  ``TYPE_CHECKING`` are deliberate late bindings and not counted).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = {
+    "bubblespec.api": "proto/bubblespec/api", "bubblespec.client": "client", "bubblespec.store": "store",
+    "bubblespec.scheduler": "scheduler", "bubblespec.worker": "worker", "bubblespec.cli": "cli",
+    "bubblespec.telemetry": "telemetry", "bubblespec.integrations": "integrations", "bubblespec.bench": "bench",
+}
+RUNTIME = ("bubblespec.api", "bubblespec.client", "bubblespec.store", "bubblespec.scheduler", "bubblespec.worker",
+           "bubblespec.telemetry", "bubblespec.integrations")
+OFF_LIMITS = ("bubblespec.bench", "bubblespec.cli")
+
+
+def _within(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for name, folder in PACKAGES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join((name, *parts))] = path
+    return found
+
+
+def _imports(path: Path, module: str, *, top_level_only: bool, known: dict[str, Path]) -> set[str]:
+    """The bubblespec modules ``path`` imports. ``from pkg import sub`` counts as importing ``pkg.sub``
+    alone when ``sub`` is a module, since it needs nothing from ``pkg/__init__.py``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    names: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+                package = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{package}.{node.module}" if node.module else package
+            subs = {f"{base}.{a.name}" for a in node.names}
+            names.update(subs & known.keys())
+            if subs - known.keys():
+                names.add(base)
+    return {n for n in names if n.startswith("bubblespec.")}
+
+
+def test_the_runtime_packages_never_import_the_bench_package_or_the_cli():
+    modules = _modules()
+    wrong = sorted(
+        f"{m} imports {name}"
+        for m, path in modules.items() if _within(m, RUNTIME)
+        for name in _imports(path, m, top_level_only=False, known=modules) if _within(name, OFF_LIMITS)
+    )
+    assert [m for m in modules if _within(m, ("bubblespec.bench.sim",))], "the bench package moved: fix PACKAGES"
+    assert wrong == []
+
+
+def test_there_are_no_import_cycles_between_modules():
+    modules = _modules()
+    graph = {m: {n for n in _imports(p, m, top_level_only=True, known=modules) if n in modules and n != m} for m, p in modules.items()}
+    cycles, done, stack = [], set(), []
+
+    def visit(m: str) -> None:
+        if m in stack:
+            cycles.append(" -> ".join(stack[stack.index(m):] + [m]))
+            return
+        if m in done:
+            return
+        stack.append(m)
+        for n in sorted(graph[m]):
+            visit(n)
+        stack.pop()
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m)
+    assert cycles == []
