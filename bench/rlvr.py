@@ -29,8 +29,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import random
 import re
+import shutil
 import string
 import time
 from collections.abc import Iterator, Sequence
@@ -40,8 +42,8 @@ from pathlib import Path
 from bubblespec.bench.tiny_model import TINY_VOCAB, build_tiny_model
 
 __all__ = [
-    "EOS_ID", "TaskSettings", "TrainSettings", "decode", "encode", "evaluate", "length_stats",
-    "make_prompts", "mean_token_entropy", "parse_prompt", "reward", "sample_responses",
+    "EOS_ID", "TaskSettings", "TrainSettings", "decode", "encode", "ensure_trained", "evaluate", "is_trained",
+    "length_stats", "make_prompts", "mean_token_entropy", "parse_prompt", "reward", "sample_responses",
     "target", "token_entropy", "train_rlvr_model",
 ]
 
@@ -333,6 +335,60 @@ def train_rlvr_model(
              "final_loss": sum(tail) / len(tail), "parameters": sum(p.numel() for p in model.parameters()),
              "settings": asdict(s), "task": asdict(task)}
     (path / "rlvr_training.json").write_text(json.dumps(stats, indent=2) + "\n")
+    return stats
+
+
+# ------------------------------------------------------------------------------ the cache
+
+_NOT_IN_RECIPE = ("log_every",)
+"""Training settings that do not change the weights."""
+
+
+def _recipe(seed: int, settings: dict, task: dict) -> dict:
+    return {"seed": seed, "settings": {k: v for k, v in settings.items() if k not in _NOT_IN_RECIPE}, "task": task}
+
+
+def is_trained(path: str | Path, seed: int = 0, *, settings: TrainSettings = TrainSettings(),
+               task: TaskSettings = TaskSettings()) -> bool:
+    """Whether ``path`` holds a finished ``train_rlvr_model`` run of this recipe (seed, training
+    settings, task): its ``rlvr_training.json``, written after the weights, says so. A directory
+    that only ``build_tiny_model`` wrote (random weights, training cut short) or one trained with
+    other settings is not."""
+    path = Path(path)
+    try:
+        stats = json.loads((path / "rlvr_training.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(stats, dict) or not (path / "model.safetensors").is_file():
+        return False
+    found = _recipe(stats.get("seed"), stats.get("settings") or {}, stats.get("task"))
+    return found == _recipe(seed, asdict(settings), asdict(task))
+
+
+def ensure_trained(path: str | Path, seed: int = 0, *, settings: TrainSettings = TrainSettings(),
+                   task: TaskSettings = TaskSettings()) -> dict | None:
+    """Train the model into ``path`` unless ``is_trained`` says it is there already: None on a
+    cache hit, else the training stats. Training runs in a sibling directory that replaces
+    ``path`` only once finished, so an interrupted run leaves nothing a later one would take for
+    a trained model."""
+    path = Path(path)
+    if is_trained(path, seed, settings=settings, task=task):
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    work = path.with_name(f".{path.name}.training-{os.getpid()}")
+    old = path.with_name(f".{path.name}.old-{os.getpid()}")
+    shutil.rmtree(work, ignore_errors=True)
+    try:
+        stats = train_rlvr_model(work, seed, settings=settings, task=task)
+        stats["path"] = str(path)
+        (work / "rlvr_training.json").write_text(json.dumps(stats, indent=2) + "\n")
+        if path.exists():
+            path.rename(old)
+        work.rename(path)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+    logger.info("trained the RLVR model into %s in %.0fs", path, stats["seconds"])
     return stats
 
 

@@ -8,7 +8,8 @@ Arms (same workers, prompts, seeds and weight updates):
     bubblespec     shared queue + drafts + straggler watch
 
 Each arm starts from an empty draft store and no length history. Greedy decoding, so that
-exactness is checked token by token against the baseline. Prints a table, writes JSON.
+exactness is checked token by token against the baseline. Tells a short story (vLLM's output goes
+to a log file unless ``--verbose``), ends with the table and what it means; writes JSON.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from bubblespec.client import AsyncRolloutClient, SamplingParams, SchedulingPolicy, StepResult
 
-__all__ = ["ARMS", "BenchConfig", "run_bench"]
+__all__ = ["ARMS", "BenchConfig", "run_bench", "workload_model"]
 
 
 @dataclass(frozen=True)
@@ -88,12 +89,12 @@ def _step_row(arm: str, step: int, r: StepResult) -> dict:
 def _worker_done_times(core, step_id: str, per_worker: dict) -> None:
     """Add each worker's ``done_seconds``: when, from the step's start, its last busy spell in
     the step ended (the scheduler's timeline), so the gap to the makespan is its bubble."""
-    step = core.steps.get(step_id)
+    step = core.step(step_id)
     if step is None or step.finished_at is None:
         return
     for wid, stats in per_worker.items():
-        w = core.workers.get(wid)
-        ends = [end for state, since, end in (w.timeline.segments if w else ())
+        w = core.worker(wid)
+        ends = [end for state, since, end in (w.segments if w else ())
                 if state == "busy" and end > step.started_at and since < step.finished_at]
         stats["done_seconds"] = round(max(ends, default=step.started_at) - step.started_at, 3)
 
@@ -115,7 +116,7 @@ def _per_worker(r: StepResult) -> dict:
     return dict(sorted(out.items()))
 
 
-async def _run_arm(cluster, client, arm: Arm, prompts, weights, cfg: BenchConfig, version0: int):
+async def _run_arm(cluster, client, arm: Arm, prompts, weights, cfg: BenchConfig, version0: int, say=print):
     from bubblespec.store import MemoryStore
 
     store = MemoryStore()
@@ -136,8 +137,8 @@ async def _run_arm(cluster, client, arm: Arm, prompts, weights, cfg: BenchConfig
         rows.append(_step_row(arm.name, s + 1, result))
         _worker_done_times(cluster.scheduler.core, result.summary.step_id, rows[-1]["per_worker"])
         outputs.append([c.token_ids for c in result.completions])
-        print(f"  {arm.name:>13} step {s + 1}: {result.summary.makespan_seconds:6.2f}s "
-              f"fwd/tok {result.summary.forward_passes_per_token:.3f}", flush=True)
+        say(f"  {arm.name:>13} step {s + 1}: {result.summary.makespan_seconds:6.2f}s "
+            f"fwd/tok {result.summary.forward_passes_per_token:.3f}")
     return rows, outputs
 
 
@@ -170,18 +171,40 @@ def summarize(rows: list[dict], exact: dict[str, bool], first_step: int = 2) -> 
     return table
 
 
-def print_table(table: list[dict]) -> None:
-    print(f"\n{'arm':>13} {'makespan':>9} {'speedup':>8} {'fwd/tok':>8} {'acc/fwd':>8} {'bubble':>7} "
-          f"{'drafting':>8} {'exact':>6}  acceptance by source")
+def table_lines(table: list[dict]) -> list[str]:
+    """The summary table: a header and a line per arm."""
+    header = (f"{'arm':>13} {'makespan':>9} {'speedup':>8} {'fwd/tok':>8} {'acc/fwd':>8} {'bubble':>7} "
+              f"{'drafting':>8} {'exact':>6}  acceptance by source")
+    lines = [header]
     for t in table:
         acc = ", ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(t["acceptance_by_source"].items())) or "-"
-        print(f"{t['arm']:>13} {t['makespan_seconds_median']:8.2f}s {t['speedup_median']:7.2f}x "
-              f"{t['forward_passes_per_token']:8.3f} {t['accepted_per_forward_pass']:8.2f} "
-              f"{100 * t['bubble_share']:6.1f}% {100 * t['drafting_share']:7.1f}% {str(t['exact']):>6}  {acc}")
+        lines.append(f"{t['arm']:>13} {t['makespan_seconds_median']:8.2f}s {t['speedup_median']:7.2f}x "
+                     f"{t['forward_passes_per_token']:8.3f} {t['accepted_per_forward_pass']:8.2f} "
+                     f"{100 * t['bubble_share']:6.1f}% {100 * t['drafting_share']:7.1f}% {t['exact']!s:>6}  {acc}")
+    return lines
 
 
-async def run_bench(cluster, prompts: list[list], base_model: str, cfg: BenchConfig) -> dict:
-    """Run every arm on ``cluster``; return the JSON-able report."""
+NUMBERS_EXPLAINED = """\
+What the numbers mean (medians over steps >= 2: step 1 has no length history and no drafts announced before it):
+  speedup = the baseline's step time / the arm's; fwd/tok = engine forward passes per generated token (1.000 without
+  drafts, lower when draft tokens were accepted); acc/fwd = accepted draft tokens per forward pass; bubble = share of
+  worker time idle in the step; exact = every completion token for token the baseline's (greedy decoding)."""
+
+
+def verdict(table: list[dict]) -> str:
+    """One line: how much faster BubbleSpec ran the steps, and whether every arm stayed exact."""
+    arms = {t["arm"]: t for t in table}
+    inexact = [t["arm"] for t in table if not t["exact"]]
+    line = ""
+    if "bubblespec" in arms:
+        line = f"Here BubbleSpec ran the steps {arms['bubblespec']['speedup_median']:.2f}x as fast as the baseline; "
+    if inexact:
+        return line + f"NOT EXACT: {', '.join(inexact)} differ from the baseline's outputs (a bug; docs/EXACTNESS.md)."
+    return line + "every arm's outputs equal the baseline's, so drafts changed the speed, not the text."
+
+
+async def run_bench(cluster, prompts: list[list], base_model: str, cfg: BenchConfig, say=print) -> dict:
+    """Run every arm on ``cluster``, a line per step to ``say``; return the JSON-able report."""
     from bubblespec.bench.tiny_model import perturb_weights
 
     rows, outputs = [], {}
@@ -195,8 +218,8 @@ async def run_bench(cluster, prompts: list[list], base_model: str, cfg: BenchCon
         try:
             async with AsyncRolloutClient(cluster.target) as client:
                 for arm in ARMS:
-                    version0 = cluster.scheduler.core.version + 1
-                    arm_rows, outputs[arm.name] = await _run_arm(cluster, client, arm, prompts, weights, cfg, version0)
+                    version0 = cluster.scheduler.core.policy_version + 1
+                    arm_rows, outputs[arm.name] = await _run_arm(cluster, client, arm, prompts, weights, cfg, version0, say)
                     rows += arm_rows
         finally:
             for agent, store in zip(cluster.agents, stores):
@@ -214,44 +237,80 @@ def bench_prompts(cfg: BenchConfig) -> list[list]:
 
 
 RLVR_MODEL_DIR = Path.home() / ".cache" / "bubblespec" / "rlvr-model"
+FIRST_TRAINING = "first run only: 5 to 10 minutes on a two-core CPU, more when it is busy; later runs reuse it"
+"""What the first ``bench`` tells the user before it trains the workload model (measured:
+docs/BENCHMARKS.md)."""
 
 
-def ensure_rlvr_model(path: Path = RLVR_MODEL_DIR) -> str:
-    """The model trained on the arithmetic task, trained here on first use (a few minutes)."""
-    if not (path / "model.safetensors").exists():
-        from bubblespec.bench.rlvr import train_rlvr_model
+async def workload_model(say, path: Path = RLVR_MODEL_DIR, settings=None) -> str:
+    """The model trained on the RLVR task at ``path``: reused when ``bench.rlvr.is_trained`` says
+    it was trained with these settings, else trained there now (in a thread, with progress)."""
+    from bubblespec.bench.rlvr import TrainSettings, ensure_trained, is_trained
+    from bubblespec.cli.console import ticker
 
-        print(f"training the RLVR model into {path} (first run only) ...", flush=True)
-        train_rlvr_model(path)
+    settings = settings or TrainSettings()
+    if is_trained(path, settings=settings):
+        say(f"Workload model: {path} (trained by an earlier run).")
+        return str(path)
+    say(f"Training the workload model into {path} ({FIRST_TRAINING})...")
+    tick = asyncio.create_task(ticker(say, "training", 30.0))
+    try:
+        stats = await asyncio.to_thread(ensure_trained, path, settings=settings)
+    finally:
+        tick.cancel()
+    if stats is not None:
+        say(f"  trained in {stats['seconds']:.0f}s (final loss {stats['final_loss']:.3f})")
     return str(path)
 
 
-def main(args) -> None:
-    from bubblespec.cli.commands import Cluster, _engine_settings
+def _config(args) -> BenchConfig:
+    return BenchConfig(steps=3 if args.quick else args.steps, prompts=16 if args.quick else args.prompts,
+                       samples=args.samples, max_tokens=args.max_tokens, lookahead_steps=args.lookahead_steps,
+                       train_seconds=args.train_seconds, update_scale=args.update_scale, seed=args.seed,
+                       draft_jobs_during_step=args.draft_jobs_during_step)
+
+
+def _tell_results(say, report: dict, cfg: BenchConfig) -> None:
+    say()
+    for line in table_lines(report["summary"]):
+        say(line)
+    say(f"{report['workers']} workers, {cfg.steps} steps x {cfg.prompts} prompts x {cfg.samples} samples, "
+        f"{cfg.train_seconds:g}s trainer gap, lookahead {cfg.lookahead_steps} steps, weight updates "
+        f"{cfg.update_scale:g} RMS; the arms took {report['seconds']:.0f}s")
+    say()
+    say(NUMBERS_EXPLAINED)
+    say(verdict(report["summary"]))
+
+
+def main(args) -> int:
+    """``bubblespec bench``: a short story on the terminal, vLLM's output in a log file."""
+    from bubblespec.cli.commands import Cluster, _engine_settings, _run_told, _tell_start
     from bubblespec.scheduler.core.state import CoreSettings
     from bubblespec.scheduler.settings import SchedulerSettings
 
-    cfg = BenchConfig(steps=3 if args.quick else args.steps, prompts=16 if args.quick else args.prompts,
-                      samples=args.samples, max_tokens=args.max_tokens, lookahead_steps=args.lookahead_steps,
-                      train_seconds=args.train_seconds, update_scale=args.update_scale, seed=args.seed,
-                      draft_jobs_during_step=args.draft_jobs_during_step)
-    args.model = args.model or ensure_rlvr_model()
+    cfg = _config(args)
 
-    async def go() -> dict:
+    async def go(story) -> None:
+        started = time.monotonic()
+        story.say(f"bubblespec bench: the same {cfg.steps} RL steps ({cfg.prompts} prompts x {cfg.samples} samples, "
+                  f"greedy) under {len(ARMS)} arms: {', '.join(a.name for a in ARMS)}.")
+        args.model = args.model or await workload_model(story.say)
+        _tell_start(story, args)
         core = CoreSettings(max_draft_jobs_during_step=None if cfg.draft_jobs_during_step < 0 else cfg.draft_jobs_during_step)
         cluster = Cluster(SchedulerSettings(host="127.0.0.1", grpc_port=0, http_port=0, tokenizer=args.model, core=core),
-                          _engine_settings(args), args.workers)
+                          _engine_settings(args), args.workers, progress=story.say)
         await cluster.start()
+        story.say(f"Cluster up in {time.monotonic() - started:.0f}s; each arm runs {cfg.steps} steps:")
         try:
-            return await run_bench(cluster, bench_prompts(cfg), args.model, cfg)
+            report = await run_bench(cluster, bench_prompts(cfg), args.model, cfg, say=story.say)
         finally:
+            t = time.monotonic()
             await cluster.stop()
+            story.say(f"Stopped the cluster in {time.monotonic() - t:.0f}s.")
+        _tell_results(story.say, report, cfg)
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2))
+            story.say(f"Wrote the report (every step, every worker) to {args.json}.")
+        story.say(f"The bench took {time.monotonic() - started:.0f}s.")
 
-    report = asyncio.run(go())
-    print_table(report["summary"])
-    print(f"\n{report['workers']} workers, {cfg.steps} steps x {cfg.prompts} prompts x {cfg.samples} samples, "
-          f"{cfg.train_seconds:g}s trainer gap, lookahead {cfg.lookahead_steps} steps, weight updates "
-          f"{cfg.update_scale:g} RMS; medians over steps >= 2; whole run {report['seconds']:.0f}s")
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.json}")
+    return _run_told("bench", args.verbose, go)

@@ -127,11 +127,12 @@ async def calibrate(engine, cfg: CalibrationConfig = CalibrationConfig(), log=pr
 def main(args) -> None:
     from pathlib import Path
 
-    from bubblespec.cli.commands import _engine_settings, ensure_tiny_model
+    from bubblespec.cli.commands import _engine_settings, _preload_vllm, ensure_tiny_model
     from bubblespec.worker.engine import VllmEngine
 
     args.model = args.model or ensure_tiny_model()
     settings = _engine_settings(args)
+    _preload_vllm()  # before the loop starts: VllmEngine.start would import it on the loop
 
     async def go() -> dict:
         engine = VllmEngine(settings)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -42,7 +43,7 @@ def _engine_settings(a: argparse.Namespace) -> EngineSettings:
     return EngineSettings(model=a.model, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                           num_speculative_tokens=a.num_speculative_tokens,
                           tensor_parallel_size=a.tensor_parallel_size, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
-                          dtype=a.dtype, logprobs_mode=a.logprobs_mode,
+                          dtype=a.dtype, logprobs_mode=a.logprobs_mode, self_suffix_drafting=a.self_suffix_drafting,
                           allow_unsupported_vllm=a.allow_unsupported_vllm, self_checks=not a.unsafe_skip_self_checks,
                           weight_transfer_backend=a.weight_transfer_backend or None)
 
@@ -106,6 +107,15 @@ def _run_told(command: str, verbose: bool, main, **quiet) -> int:
     return _refused(command, refused, story.log_path)
 
 
+def _preload_vllm() -> None:
+    """Import the vLLM modules ``VllmEngine.start`` imports: 10-15 s on a loaded two-core CPU, which
+    would stop the event loop if ``start`` did it there. A missing vLLM is left for ``start`` to
+    report (with the install hint)."""
+    with contextlib.suppress(ImportError):
+        from vllm import AsyncEngineArgs  # noqa: F401
+        from vllm.v1.engine.async_llm import AsyncLLM  # noqa: F401
+
+
 def _on_core(settings: EngineSettings, core: int) -> EngineSettings:
     """Pin a CPU engine to one core unless the settings name cores already."""
     from dataclasses import replace
@@ -161,7 +171,7 @@ class Cluster:
                                                engine=self.engine_settings), engine, self.store)
             self.agents.append(agent)
             self._tasks.append(asyncio.create_task(agent.run()))
-        while len(self.scheduler.core.workers) < self.num_workers:
+        while self.scheduler.core.worker_count < self.num_workers:
             await asyncio.sleep(0.05)
 
     async def _start_engines(self) -> None:
@@ -170,13 +180,6 @@ class Cluster:
         from bubblespec.cli.console import ticker
         from bubblespec.worker.selfcheck import require_self_checks
 
-        factory = self.engine_factory
-        if factory is None:
-            from bubblespec.worker.engine import VllmEngine
-
-            factory = VllmEngine
-        cores = os.cpu_count() or 1
-        self.engines = [factory(_on_core(self.engine_settings, i % cores)) for i in range(self.num_workers)]
         t0 = time.monotonic()
 
         async def start(i: int, engine) -> None:
@@ -185,6 +188,14 @@ class Cluster:
 
         tick = asyncio.create_task(ticker(self.progress, "starting engines", self.progress_seconds))
         try:
+            factory = self.engine_factory
+            if factory is None:
+                from bubblespec.worker.engine import VllmEngine
+
+                await asyncio.to_thread(_preload_vllm)  # the scheduler's loop keeps serving meanwhile
+                factory = VllmEngine
+            cores = os.cpu_count() or 1
+            self.engines = [factory(_on_core(self.engine_settings, i % cores)) for i in range(self.num_workers)]
             started = await asyncio.gather(*(start(i, e) for i, e in enumerate(self.engines)), return_exceptions=True)
         finally:
             tick.cancel()
@@ -222,9 +233,9 @@ def _with_model(a: argparse.Namespace, say=None) -> argparse.Namespace:
 
 
 def _tell_start(story, a: argparse.Namespace) -> None:
-    """The first lines of ``up``/``demo``: what starts, and where vLLM's output goes."""
-    story.say(f"Starting a scheduler, an in-process draft store and {a.workers} vLLM workers in this process "
-              f"(model {a.model});")
+    """The first lines of ``up``/``demo``/``bench``: what starts, and where vLLM's output goes."""
+    workers = f"{a.workers} vLLM worker{'s' * (a.workers != 1)}"
+    story.say(f"Starting a scheduler, an in-process draft store and {workers} in this process (model {a.model});")
     story.say("the engines start in parallel, tens of seconds each on a CPU.")
     if story.log_path is not None:
         story.say(f"vLLM's output goes to {story.log_path} (--verbose shows it here).")
@@ -253,12 +264,6 @@ def up(a: argparse.Namespace) -> int:
             deadline.cancel()
 
     return _run_told("up", a.verbose, main, terminal_level=logging.INFO)
-
-
-def bench(a: argparse.Namespace) -> None:
-    from bubblespec.cli.bench import main
-
-    main(a)
 
 
 def demo(a: argparse.Namespace) -> int:

@@ -53,56 +53,12 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+
+from bubblespec.cli.loadtest_settings import LoadSettings
 
 __all__ = ["LoadSettings", "add_parser", "loadtest", "memory_verdict", "percentile", "run_loadtest"]
 
 MIB = 2**20
-
-
-@dataclass(frozen=True)
-class LoadSettings:
-    """One load-test run."""
-
-    workers: int = 64
-    """Simulated-engine workers (agents in the worker processes, each with its own gRPC stream)."""
-    worker_processes: int = 0
-    """Processes hosting the workers, each a share of them (0 = one per CPU core, at most ``workers``)."""
-    steps: int = 20
-    """Rollout steps."""
-    prompts: int = 512
-    """Prompts per step (fresh ones every step)."""
-    samples: int = 4
-    """Samples per prompt (sampling.n)."""
-    capacity: int = 8
-    """Requests each simulated engine runs at once (max_num_seqs, reported to the scheduler)."""
-    prompt_tokens: int = 32
-    """Mean prompt length in tokens (uniform in [prompt_tokens/2, 3*prompt_tokens/2])."""
-    max_tokens: int = 256
-    """max_tokens of every request."""
-    median_tokens: int = 48
-    """Median simulated response length (log-normal; EOS ends it)."""
-    step_seconds: float = 0.02
-    """Simulated engine step with one request running."""
-    batch_slope_seconds: float = 0.0005
-    """Extra simulated step time per further running request."""
-    keep_steps: int = 2
-    """Finished steps the scheduler keeps for resume (the service default is 4)."""
-    policy: str = "queue"
-    """Scheduling policy of every step: static | queue | longest-first."""
-    update_policy: bool = True
-    """Push a new policy version (UpdatePolicy barrier) before every step."""
-    redis_url: str = ""
-    """Redis for the scheduler journal and the workers' drafts ('' = start redis-server on a free
-    port, or the in-process memory store if none is installed; 'memory' = no Redis)."""
-    worker_store: Literal["redis", "memory"] = "redis"
-    """Workers' draft store: 'redis' (the Redis above, one client per worker, as deployed) or
-    'memory' (one in-process store per worker: keeps the worker processes' CPU for the agents)."""
-    seed: int = 0
-    """Seed of the prompts and of the sampling seeds."""
-    trace_memory: bool = False
-    """Run tracemalloc in the scheduler and report its largest allocation sites at the end
-    (diagnosis only: it slows the scheduler down)."""
 
 
 # ----------------------------------------------------------------------------- statistics --

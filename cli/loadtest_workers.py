@@ -103,7 +103,7 @@ class _Workers:
     """The agents of one worker process, their engines, stores and probe."""
 
     def __init__(self, config: dict) -> None:
-        from bubblespec.cli.loadtest import LoadSettings
+        from bubblespec.cli.loadtest_settings import LoadSettings
 
         self.settings = LoadSettings(**config["settings"])
         self.config = config

@@ -63,6 +63,8 @@ def _engine_flags(p: argparse.ArgumentParser, speculative_tokens: int = 8) -> No
     _add(p, "kv-cache-memory-bytes", 256 * 2**20, "KV cache size for CPU engines")
     _add(p, "dtype", "auto", "weights dtype (auto: the checkpoint's on CPU engines, vLLM's choice on GPUs)")
     _add(p, "logprobs-mode", "processed", "returned logprobs: processed (temperature/top-k/top-p applied) | raw")
+    _add(p, "self-suffix-drafting", False, "where no stored or sibling draft continues a request, draft from its own "
+         "prompt + output (draft source 'suffix'; exact either way)")
     _add(p, "allow-unsupported-vllm", False, "start on a vLLM release the worker was not checked against "
          "(exactness UNVERIFIED; logged loudly)")
     _add(p, "unsafe-skip-self-checks", False, "UNSAFE: skip the start-up self-checks (drafts, CPU sampler fix, "
@@ -132,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
                                              "(-1 = the scheduler's default, 16; full width after the step)")
     _add(bench, "json", "", "write the report here")
     bench.add_argument("--quick", action="store_true", help="3 steps x 16 prompts (a few minutes)")
+    _verbose_flag(bench)
     _engine_flags(bench, speculative_tokens=32)  # deep drafts for the tail (docs/BENCHMARKS.md)
     cal = sub.add_parser("calibrate", help="measure an engine's cost per forward pass (the simulator's cost model)")
     _add(cal, "repeats", 3, "runs per measured point (median)")
@@ -178,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
         from bubblespec.cli.loadtest import loadtest
 
         return loadtest(args)
+    if args.command == "bench":
+        from bubblespec.cli.bench import main as bench
+
+        return bench(args)
     from bubblespec.cli import commands
 
     return getattr(commands, args.command.replace("-", "_"))(args) or 0

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 import grpc
 
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.api.v1 import rollout_pb2_grpc as pbg
 from bubblespec.client import _base
-from bubblespec.client._base import ClientSettings, PromptLike, StepCollector
+from bubblespec.client._base import ClientSettings, ProgressCallback, PromptLike, StepCollector
 from bubblespec.client.errors import ServiceUnavailable
 from bubblespec.client.types import Completion, SamplingParams, SchedulingPolicy, StepResult
 
@@ -21,7 +22,7 @@ __all__ = ["AsyncRolloutClient"]
 class AsyncRolloutClient:
     """asyncio SDK with the same methods as ``RolloutClient``, as coroutines."""
 
-    def __init__(self, target: str | None = None, *, settings: ClientSettings | None = None, **kwargs):
+    def __init__(self, target: str | None = None, *, settings: ClientSettings | None = None, **kwargs: Any):
         settings = settings or ClientSettings(**kwargs)
         self.settings = settings if target is None else ClientSettings(**{**settings.__dict__, "target": target})
         creds = self.settings.credentials()
@@ -33,13 +34,13 @@ class AsyncRolloutClient:
     async def __aenter__(self) -> AsyncRolloutClient:
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
     async def close(self) -> None:
         await self._channel.close()
 
-    async def _unary(self, method, request, timeout: float):
+    async def _unary(self, method: Callable[..., Any], request: Any, timeout: float) -> Any:
         delays = self.settings.retry.delays()
         while True:
             try:
@@ -54,7 +55,8 @@ class AsyncRolloutClient:
     async def stream(self, step: str | int, prompts: Sequence[PromptLike], sampling: SamplingParams = SamplingParams(),
                      *, policy_version: int = 0, n: int | None = None, lookahead: Sequence[PromptLike] = (),
                      policy: SchedulingPolicy | None = None, drafts: bool = True, straggler_watch: bool = True,
-                     on_progress=None, _collector: StepCollector | None = None) -> AsyncIterator[Completion]:
+                     on_progress: ProgressCallback | None = None,
+                     _collector: StepCollector | None = None) -> AsyncIterator[Completion]:
         """Yield each completion of the step once, as it finishes (resuming across retries)."""
         request = _base.make_generate_request(step, policy_version, prompts, sampling, n, lookahead, policy,
                                               drafts, straggler_watch)
@@ -81,8 +83,8 @@ class AsyncRolloutClient:
                 await asyncio.sleep(delay)
 
     async def generate(self, step: str | int, prompts: Sequence[PromptLike],
-                       sampling: SamplingParams = SamplingParams(), *, progress: bool = False, on_progress=None,
-                       **kwargs) -> StepResult:
+                       sampling: SamplingParams = SamplingParams(), *, progress: bool = False,
+                       on_progress: ProgressCallback | None = None, **kwargs: Any) -> StepResult:
         """Run one rollout step; return every completion (prompt order, then sample index) and a summary."""
         _base.check_progress(progress, on_progress)
         request = _base.make_generate_request(step, kwargs.get("policy_version", 0), prompts, sampling,

@@ -241,7 +241,7 @@ class StepCollector:
 
 
 def translate(exc: grpc.RpcError) -> BubbleSpecError:
-    return error_from_status(exc.code(), exc.details())  # type: ignore[attr-defined]
+    return error_from_status(exc.code(), exc.details())  # raised RpcErrors are grpc.Call objects too
 
 
 def should_retry(err: BubbleSpecError) -> bool:

@@ -20,12 +20,12 @@ _POLICY_TO_PB = {
     SchedulingPolicy.QUEUE: pb.SCHEDULING_POLICY_QUEUE,
     SchedulingPolicy.LONGEST_FIRST: pb.SCHEDULING_POLICY_LONGEST_FIRST,
 }
-_POLICY_FROM_PB = {v: k for k, v in _POLICY_TO_PB.items()}
+_POLICY_FROM_PB: dict[int, SchedulingPolicy] = {v: k for k, v in _POLICY_TO_PB.items()}
 _FINISH_TO_PB = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}
 _FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
 
 
-def policy_to_pb(policy: SchedulingPolicy | None) -> int:
+def policy_to_pb(policy: SchedulingPolicy | None) -> pb.SchedulingPolicy:
     return pb.SCHEDULING_POLICY_UNSPECIFIED if policy is None else _POLICY_TO_PB[policy]
 
 

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import grpc
 
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.api.v1 import rollout_pb2_grpc as pbg
 from bubblespec.client import _base
-from bubblespec.client._base import ClientSettings, PromptLike, StepCollector
+from bubblespec.client._base import ClientSettings, ProgressCallback, PromptLike, StepCollector
 from bubblespec.client.errors import ServiceUnavailable
 from bubblespec.client.types import Completion, SamplingParams, SchedulingPolicy, StepResult
 
@@ -20,7 +21,7 @@ __all__ = ["RolloutClient"]
 class RolloutClient:
     """Synchronous SDK. ``RolloutClient("host:50051", token=...)`` or pass ``settings=``."""
 
-    def __init__(self, target: str | None = None, *, settings: ClientSettings | None = None, **kwargs):
+    def __init__(self, target: str | None = None, *, settings: ClientSettings | None = None, **kwargs: Any):
         settings = settings or ClientSettings(**kwargs)
         self.settings = settings if target is None else ClientSettings(**{**settings.__dict__, "target": target})
         creds = self.settings.credentials()
@@ -32,13 +33,13 @@ class RolloutClient:
     def __enter__(self) -> RolloutClient:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
         self._channel.close()
 
-    def _unary(self, method, request, timeout: float):
+    def _unary(self, method: Callable[..., Any], request: Any, timeout: float) -> Any:
         delays = self.settings.retry.delays()
         while True:
             try:
@@ -53,7 +54,7 @@ class RolloutClient:
     def stream(self, step: str | int, prompts: Sequence[PromptLike], sampling: SamplingParams = SamplingParams(), *,
                policy_version: int = 0, n: int | None = None, lookahead: Sequence[PromptLike] = (),
                policy: SchedulingPolicy | None = None, drafts: bool = True, straggler_watch: bool = True,
-               on_progress=None, _collector: StepCollector | None = None) -> Iterator[Completion]:
+               on_progress: ProgressCallback | None = None, _collector: StepCollector | None = None) -> Iterator[Completion]:
         """Yield each completion of the step once, as it finishes (resuming across retries)."""
         request = _base.make_generate_request(step, policy_version, prompts, sampling, n, lookahead, policy,
                                               drafts, straggler_watch)
@@ -65,8 +66,7 @@ class RolloutClient:
             try:
                 for msg in self._stub.Generate(request, timeout=self.settings.step_timeout_seconds,
                                                metadata=self.settings.metadata(), wait_for_ready=True):
-                    for c in collector.add_all(msg):
-                        yield c
+                    yield from collector.add_all(msg)
                 if not collector.done:
                     raise ServiceUnavailable("stream ended before the step finished")
             except (grpc.RpcError, ServiceUnavailable) as exc:
@@ -79,7 +79,8 @@ class RolloutClient:
                 time.sleep(delay)
 
     def generate(self, step: str | int, prompts: Sequence[PromptLike], sampling: SamplingParams = SamplingParams(), *,
-                 progress: bool = False, on_progress=None, **kwargs) -> StepResult:
+                 progress: bool = False, on_progress: ProgressCallback | None = None,
+                 **kwargs: Any) -> StepResult:
         """Run one rollout step; return every completion (prompt order, then sample index) and a summary."""
         _base.check_progress(progress, on_progress)
         request = _base.make_generate_request(step, kwargs.get("policy_version", 0), prompts, sampling,

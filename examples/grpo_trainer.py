@@ -148,7 +148,8 @@ def report(step: int, result, rewards: list[float], stats: dict, times: dict) ->
     return (f"step {step}: reward {sum(rewards) / len(rewards):.3f} | len mean {sum(lengths) / len(lengths):.1f} "
             f"max {max(lengths)} | makespan {s.makespan_seconds:.2f}s fwd/token {s.forward_passes_per_token:.3f} "
             f"bubble {100 * s.bubble_share:.0f}% | accepted/drafted {by_source} | entropy {stats['entropy']:.3f} "
-            f"| logprob gap {stats['logprob_gap']:.2e} | weight change rms {stats['update_rms']:.1e} | rollout {times['rollout']:.1f}s train {times['train']:.1f}s "
+            f"| logprob gap {stats['logprob_gap']:.2e} | weight change rms {stats['update_rms']:.1e} "
+            f"| rollout {times['rollout']:.1f}s train {times['train']:.1f}s "
             f"update {times['update']:.1f}s")
 
 

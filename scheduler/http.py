@@ -15,16 +15,18 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse
 
 if TYPE_CHECKING:
-    from bubblespec.scheduler.server import Scheduler
+    from bubblespec.scheduler.app import SchedulerApp
 
 __all__ = ["create_app"]
 
 
-def create_app(scheduler: Scheduler) -> FastAPI:
+def create_app(scheduler: SchedulerApp) -> FastAPI:
     from bubblespec.scheduler.openai_api import create_router
+    from bubblespec.scheduler.openai_chat import ChatCompletions
 
     app = FastAPI(title="BubbleSpec scheduler", docs_url=None, redoc_url=None)
-    app.include_router(create_router(scheduler))  # /health, /v1/models, /v1/completions (docs/INTEGRATIONS.md)
+    # /health, /v1/models, /v1/completions, /v1/chat/completions (docs/INTEGRATIONS.md)
+    app.include_router(create_router(scheduler, chat=ChatCompletions))
     from bubblespec.scheduler.rl_api import create_router as create_rl_router
 
     app.include_router(create_rl_router(scheduler))  # /pause, /resume, /update_weights, ... (docs/INTEGRATIONS.md)
@@ -40,7 +42,7 @@ def create_app(scheduler: Scheduler) -> FastAPI:
     @app.get("/readyz")
     async def readyz() -> Response:
         ok = scheduler.ready
-        return JSONResponse({"ready": ok, "workers": len(scheduler.core.workers)}, status_code=200 if ok else 503)
+        return JSONResponse({"ready": ok, "workers": scheduler.service.core.worker_count}, status_code=200 if ok else 503)
 
     def refused(request: Request) -> Response | None:
         from bubblespec.scheduler.auth import http_refusal

@@ -7,9 +7,10 @@ schedulers in one process):
   core decides as it happens: completions, generated tokens, forward passes, draft and
   accepted tokens by source, step makespans, moved and re-queued requests, straggler
   interventions.
-- At scrape time the exporter reads core state for gauges (queue sizes, live workers, policy
-  versions, ...) and for the per-worker busy / idle / drafting seconds, which the core already
-  accumulates in ``WorkerState.timeline`` (closed segments plus the open one).
+- At scrape time the exporter reads the core's read-only snapshot (``SchedulerCore.stats()``,
+  ``core/view.py``) for gauges (queue sizes, live workers, policy versions, ...) and for the
+  per-worker busy / idle / drafting seconds the core accumulates (closed segments plus the
+  open one).
 - ``GrpcMetricsInterceptor`` counts the final status of every gRPC call, and
   ``observe_weight_load`` takes the ``seconds`` that workers report in ``PolicyLoaded``.
 
@@ -30,16 +31,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import grpc
+from bubblespec.scheduler.core.types import Action, Deliver, PolicyLoadReported, RequestsMoved, StepFailed, StepFinished
+from bubblespec.telemetry import Histogram, MetricSpec, family
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from bubblespec.scheduler.core.types import Abort, Action, Assign, Deliver, StepFailed, StepFinished
-from bubblespec.telemetry import Histogram, MetricSpec, family
-
 if TYPE_CHECKING:
-    from bubblespec.scheduler.core.state import SchedulerCore, WorkerState
-    from bubblespec.scheduler.server import Scheduler
+    from bubblespec.scheduler.core.state import SchedulerCore
+    from bubblespec.scheduler.core.view import StepView
     from bubblespec.scheduler.service import SchedulerService
 
 __all__ = [
@@ -112,13 +112,13 @@ WEIGHT_LOAD_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 12
 class _StepTally:
     drafted: int = 0
     accepted: int = 0
-    moved_seen: int = 0
-    requeued_seen: int = 0
 
 
 @dataclass
 class _Tally:
-    """Plain numbers the listener and the interceptor accumulate (guarded by ``lock``)."""
+    """Plain numbers the listener and the interceptor accumulate. Everything runs on the
+    scheduler's event loop (the listener, the gRPC interceptor, ``/metrics``); ``lock`` keeps
+    a scrape consistent should a collector ever run on another thread."""
 
     completions: int = 0
     tokens: int = 0
@@ -155,7 +155,6 @@ class SchedulerMetrics(Collector):
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
         service.listeners.append(self.on_action)
-        service.load_listeners.append(self.observe_weight_load)
 
     # ------------------------------------------------------------- events --
 
@@ -166,10 +165,10 @@ class SchedulerMetrics(Collector):
                 self._on_deliver(step_id, completion)
             case StepFinished(step_id, summary):
                 self._on_step_finished(step_id, summary)
-            case Assign(_, request):
-                self._check_moves(request.step_id)
-            case Abort(_, key):
-                self._check_moves(key.split("/", 1)[0])
+            case RequestsMoved(_, keys, requeued):
+                self._on_moved(len(keys), requeued)
+            case PolicyLoadReported(_, _, ok, _, seconds):
+                self.observe_weight_load(ok, seconds)
             case StepFailed():
                 with self.tally.lock:
                     self.tally.steps_failed += 1
@@ -188,42 +187,29 @@ class SchedulerMetrics(Collector):
                 t.accepted[s.source] = t.accepted.get(s.source, 0) + s.accepted_tokens
                 step.drafted += s.drafted_tokens
                 step.accepted += s.accepted_tokens
-        self._check_moves(step_id)
 
     def _on_step_finished(self, step_id: str, summary) -> None:
-        state = self.core.steps.get(step_id)
+        view = self.core.step(step_id)
         t = self.tally
         with t.lock:
-            self._account_moves(t.steps.setdefault(step_id, _StepTally()), summary.requests_moved,
-                                summary.requests_requeued)
-            if state is None or not state.cancelled:
+            if view is None or not view.cancelled:
                 t.makespan.observe(summary.makespan_seconds)
-            for old in [sid for sid in t.steps if sid not in self.core.steps]:
+            for old in [sid for sid in t.steps if not self.core.has_step(sid)]:
                 del t.steps[old]  # the core trimmed it
 
-    def _check_moves(self, step_id: str) -> None:
-        """The core bumps ``StepState.moved`` (straggler watch) and ``.requeued`` (worker lost,
-        request aborted) and re-queues work without an action of its own; the next action of
-        the step (the Abort of a stalled request, an Assign of the moved work) reveals it, the
-        step's summary at the latest."""
-        state = self.core.steps.get(step_id)
-        if state is None or not state.active:
-            return
-        with self.tally.lock:
-            self._account_moves(self.tally.steps.setdefault(step_id, _StepTally()), state.moved, state.requeued)
-
-    def _account_moves(self, step: _StepTally, moved: int, requeued: int) -> None:
+    def _on_moved(self, count: int, requeued: bool) -> None:
+        """``RequestsMoved``: one straggler intervention moving ``count`` requests, or
+        ``count`` requests re-queued (worker lost, aborted, paused off it)."""
         t = self.tally
-        if moved > step.moved_seen:
-            t.stragglers += 1
-            t.moved += moved - step.moved_seen
-            step.moved_seen = moved
-        if requeued > step.requeued_seen:
-            t.requeued += requeued - step.requeued_seen
-            step.requeued_seen = requeued
+        with t.lock:
+            if requeued:
+                t.requeued += count
+            else:
+                t.stragglers += 1
+                t.moved += count
 
-    def observe_weight_load(self, worker_id: str, version: int, ok: bool, seconds: float) -> None:
-        """A worker reported ``PolicyLoaded``; hooked in ``SchedulerService.load_listeners``."""
+    def observe_weight_load(self, ok: bool, seconds: float) -> None:
+        """A worker answered the ``LoadPolicy`` it was asked (``PolicyLoadReported``)."""
         with self.tally.lock:
             if ok:
                 self.tally.weight_load.observe(max(0.0, seconds))
@@ -249,42 +235,34 @@ class SchedulerMetrics(Collector):
             yield family(_SPECS["bubblespec_journal_rejected_total"], [((), journal.rejected)])
 
     def _collect_core(self) -> Iterator[Metric]:
-        core = self.core
-        now = core.clock()
-        # list() copies in one C call: /metrics runs on a worker thread while the loop mutates.
-        workers = list(core.workers.values())
-        active = [s for s in list(core.steps.values()) if s.active]
-        waiting = sum(len(s.shared) for s in active) + sum(len(w.private) for w in workers)
-        upcoming = list(core.planner.upcoming.values())
-        covered, announced = sum(1 for u in upcoming if u.drafts), len(upcoming)
-        seconds = {w.hello.worker_id: _worker_seconds(w, now) for w in workers}
+        stats = self.core.stats()
+        workers, active = stats.workers, stats.active_steps
         yield from (
-            family(_SPECS["bubblespec_requests_waiting"], [((), waiting)]),
-            family(_SPECS["bubblespec_requests_running"], [((), sum(len(w.running) for w in workers))]),
+            family(_SPECS["bubblespec_requests_waiting"], [((), stats.requests_waiting)]),
+            family(_SPECS["bubblespec_requests_running"], [((), stats.requests_running)]),
             family(_SPECS["bubblespec_step_running"], [((), 1 if active else 0)]),
             family(_SPECS["bubblespec_last_progress_timestamp_seconds"],
-                   [((), self._last_progress(active, now))]),
+                   [((), self._last_progress(active, stats.now))]),
             family(_SPECS["bubblespec_workers_live"], [((), len(workers))]),
-            family(_SPECS["bubblespec_policy_version"], [((w.hello.worker_id,), w.version) for w in workers]),
-            family(_SPECS["bubblespec_cluster_policy_version"], [((), core.version)]),
-            family(_SPECS["bubblespec_worker_capacity"], [((w.hello.worker_id,), w.capacity) for w in workers]),
-            family(_SPECS["bubblespec_draft_prompts_announced"], [((), announced)]),
-            family(_SPECS["bubblespec_draft_prompts_covered"], [((), covered)]),
+            family(_SPECS["bubblespec_policy_version"], [((w.worker_id,), w.policy_version) for w in workers]),
+            family(_SPECS["bubblespec_cluster_policy_version"], [((), stats.policy_version)]),
+            family(_SPECS["bubblespec_worker_capacity"], [((w.worker_id,), w.capacity) for w in workers]),
+            family(_SPECS["bubblespec_draft_prompts_announced"], [((), stats.drafts_announced)]),
+            family(_SPECS["bubblespec_draft_prompts_covered"], [((), stats.drafts_covered)]),
         )
-        for i, state in enumerate(("busy", "idle", "drafting")):
+        for state in ("busy", "idle", "drafting"):
             spec = _SPECS[f"bubblespec_worker_{state}_seconds_total"]
-            yield family(spec, [((wid,), s[i]) for wid, s in seconds.items()])
-        yield family(_SPECS["bubblespec_spec_acceptance_ratio"], self._acceptance(list(core.steps)))
+            yield family(spec, [((w.worker_id,), getattr(w, f"{state}_seconds")) for w in workers])
+        yield family(_SPECS["bubblespec_spec_acceptance_ratio"], self._acceptance([s.step_id for s in stats.steps]))
 
-    def _last_progress(self, active: list, now: float) -> float:
+    def _last_progress(self, active: tuple[StepView, ...], now: float) -> float:
         """Latest of: a step start, a token progress report, a completion (Unix seconds)."""
         offset = self.wall_clock() - now  # core clock (monotonic) -> Unix time
         latest = max([self.started_wall, self.tally.last_completion]
                      + [s.started_at + offset for s in active])
         for step in active:
-            for req in list(step.requests.values()):
-                if req.progress > 0 and not req.done:
-                    latest = max(latest, req.progress_at + offset)
+            if step.last_progress_at > 0:
+                latest = max(latest, step.last_progress_at + offset)
         return latest
 
     def _acceptance(self, step_ids: list[str]) -> list[tuple[tuple[()], float]]:
@@ -326,17 +304,6 @@ class SchedulerMetrics(Collector):
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
-
-
-def _worker_seconds(w: WorkerState, now: float) -> tuple[float, float, float]:
-    """(busy, idle, drafting) seconds: closed segments plus the open one, bucketed like the
-    core does (loading counts as busy: the GPU is not free for rollout work)."""
-    t = w.timeline
-    totals = {"busy": t.busy, "idle": t.idle, "drafting": t.drafting}
-    bucket = "busy" if w.state in ("busy", "loading") else w.state
-    if bucket in totals:
-        totals[bucket] += max(0.0, now - w.state_since)
-    return totals["busy"], totals["idle"], totals["drafting"]
 
 
 # ----------------------------------------------------------------- gRPC --
@@ -413,8 +380,9 @@ def _wrap_generator(behavior, method: str, count):
 # ------------------------------------------------------------------ entry --
 
 
-def render(scheduler: Scheduler) -> tuple[bytes, str]:
-    """The body and content type of ``GET /metrics`` for ``scheduler``."""
+def render(scheduler) -> tuple[bytes, str]:
+    """The body and content type of ``GET /metrics`` for ``scheduler`` (a ``Scheduler``: its
+    ``service`` and, once made, its ``metrics``)."""
     metrics = getattr(scheduler, "metrics", None)
     if metrics is None:  # a Scheduler built without the hook: counts start now
         metrics = scheduler.metrics = SchedulerMetrics(scheduler.service)

@@ -21,19 +21,19 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from bubblespec.client import _convert as cv
 from bubblespec.client.types import Prompt, SamplingParams, SchedulingPolicy
-from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits
+from bubblespec.scheduler.core.types import ErrorCode, InvalidRequest, ModelLimits
 from bubblespec.scheduler.core.validate import build_step
 
 if TYPE_CHECKING:
-    from bubblespec.scheduler.server import Scheduler
+    from bubblespec.scheduler.app import SchedulerApp
 
 __all__ = ["STATUS", "create_router", "error", "openai_param", "parse_prompts", "parse_sampling", "read_json",
            "unauthorized"]
 
-STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "ALREADY_EXISTS": 409, "NOT_FOUND": 404,
-          "UNAVAILABLE": 503, "CANCELLED": 499, "UNAUTHENTICATED": 401, "RESOURCE_EXHAUSTED": 413, "INTERNAL": 500}
+STATUS = {ErrorCode.INVALID_ARGUMENT: 400, ErrorCode.FAILED_PRECONDITION: 400, ErrorCode.ALREADY_EXISTS: 409,
+          ErrorCode.NOT_FOUND: 404, ErrorCode.UNAVAILABLE: 503, ErrorCode.CANCELLED: 499, ErrorCode.UNAUTHENTICATED: 401,
+          ErrorCode.RESOURCE_EXHAUSTED: 413, ErrorCode.INTERNAL: 500}
 """HTTP status of an ``InvalidRequest`` code, on every OpenAI-shaped route of the scheduler."""
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 409: "ConflictError",
           413: "BadRequestError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
@@ -114,7 +114,10 @@ def parse_sampling(body: dict, default_logprobs_mode: str, unsupported: dict = _
         raise InvalidRequest("logprobs", f"must be 0 or 1 (BubbleSpec returns the sampled token's logprob only, "
                                          f"not top-k alternatives), got {logprobs!r:.40}")
     top_k = body.get("top_k")
-    pick = (lambda name, default: default if body.get(name) is None else body[name])
+
+    def pick(name, default):
+        return default if body.get(name) is None else body[name]
+
     return SamplingParams(
         temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=-1 if top_k in (None, 0) else top_k,
         max_tokens=pick("max_tokens", _DEFAULT_MAX_TOKENS), stop=_stop(body.get("stop")),
@@ -165,7 +168,7 @@ class _Completions:
 
     ID_PREFIX = "cmpl"
 
-    def __init__(self, scheduler: Scheduler, body: dict):
+    def __init__(self, scheduler: SchedulerApp, body: dict):
         self.scheduler, self.body = scheduler, body
         self.id = f"{self.ID_PREFIX}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -184,15 +187,16 @@ class _Completions:
 
     def build(self):
         s, service = self.scheduler.settings, self.scheduler.service
-        if service.core.limits is None:
-            raise InvalidRequest("workers", "no worker has connected yet", "UNAVAILABLE")
+        model = service.core.model_limits
+        if model is None:
+            raise InvalidRequest("workers", "no worker has connected yet", ErrorCode.UNAVAILABLE)
         if self.body.get("return_tokens_as_token_ids") not in (None, True, False):
             raise InvalidRequest("return_tokens_as_token_ids", "must be a boolean")
         prompts = self.prompts()
         return build_step(
-            step_id=f"http-{uuid.uuid4().hex}", policy_version=service.core.version, prompts=prompts,
-            sampling=self.sampling(service.core.limits), policy=SchedulingPolicy(s.default_policy),
-            limits=s.limits, model=service.core.limits, tokenize=service.tokenize)
+            step_id=f"http-{uuid.uuid4().hex}", policy_version=service.core.policy_version, prompts=prompts,
+            sampling=self.sampling(model), policy=SchedulingPolicy(s.default_policy),
+            limits=s.limits, model=model, tokenize=service.tokenize)
 
     def choice(self, c, index: int, spec) -> dict:
         return _choice(c, index, spec, self.body, self.token)
@@ -200,9 +204,8 @@ class _Completions:
     async def completions(self, spec):
         """(index, choice, completion) per finished choice, in the order they finish."""
         n = spec.sampling.n
-        async for msg in self.scheduler.service.run_step(spec):
-            if msg.WhichOneof("event") == "completion":
-                c = cv.completion_from_pb(msg.completion)
+        async for item in self.scheduler.service.run_step(spec):
+            for c in item if isinstance(item, list) else ():  # completions; the summary is not a choice
                 index = int(c.prompt_id[1:]) * n + c.sample_index
                 yield index, self.choice(c, index, spec), c
 
@@ -255,7 +258,7 @@ async def read_json(request: Request, limit: int, *, empty: dict | None = None) 
     async for chunk in request.stream():
         body += chunk
         if len(body) > limit:
-            raise InvalidRequest("request", f"body is over {limit} bytes", "RESOURCE_EXHAUSTED")
+            raise InvalidRequest("request", f"body is over {limit} bytes", ErrorCode.RESOURCE_EXHAUSTED)
     if empty is not None and not body.strip():
         return dict(empty)
     try:
@@ -267,7 +270,7 @@ async def read_json(request: Request, limit: int, *, empty: dict | None = None) 
     return parsed
 
 
-def unauthorized(scheduler: Scheduler, request: Request) -> Response | None:
+def unauthorized(scheduler: SchedulerApp, request: Request) -> Response | None:
     """401 in OpenAI's shape unless the request carries the trainer token (when the scheduler
     has one); vLLM answers 401 for a missing and for a wrong key alike."""
     from bubblespec.scheduler.auth import http_refusal
@@ -276,7 +279,10 @@ def unauthorized(scheduler: Scheduler, request: Request) -> Response | None:
     return None if refusal is None else error(401, refusal[1].split(" (")[0], None)
 
 
-def create_router(scheduler: Scheduler) -> APIRouter:
+def create_router(scheduler: SchedulerApp, chat: type[_Completions] | None = None) -> APIRouter:
+    """``/health``, ``/v1/models``, ``/v1/completions``, and ``/v1/chat/completions`` served by
+    ``chat`` (``openai_chat.ChatCompletions``; the caller passes it, so this module never
+    imports the chat module that builds on it) when given."""
     router = APIRouter()
 
     @router.get("/health")
@@ -287,7 +293,7 @@ def create_router(scheduler: Scheduler) -> APIRouter:
     async def models(request: Request) -> Response:
         if (refusal := unauthorized(scheduler, request)) is not None:
             return refusal
-        limits = scheduler.service.core.limits
+        limits = scheduler.service.core.model_limits
         card = {"id": scheduler.settings.model_name(), "object": "model", "created": int(time.time()),
                 "owned_by": "bubblespec", "root": scheduler.settings.tokenizer or None, "parent": None,
                 "max_model_len": None if limits is None else limits.max_model_len}
@@ -299,18 +305,17 @@ def create_router(scheduler: Scheduler) -> APIRouter:
             return refusal
         return await _serve(scheduler, request, _Completions)
 
-    @router.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        from bubblespec.scheduler.openai_chat import ChatCompletions
-
-        if (refusal := unauthorized(scheduler, request)) is not None:
-            return refusal
-        return await _serve(scheduler, request, ChatCompletions)
+    if chat is not None:
+        @router.post("/v1/chat/completions")
+        async def chat_completions(request: Request) -> Response:
+            if (refusal := unauthorized(scheduler, request)) is not None:
+                return refusal
+            return await _serve(scheduler, request, chat)
 
     return router
 
 
-async def _serve(scheduler: Scheduler, request: Request, kind: type[_Completions]) -> Response:
+async def _serve(scheduler: SchedulerApp, request: Request, kind: type[_Completions]) -> Response:
     """One completions or chat call: read, check the model, build the step, answer or stream."""
     rename: dict[str, str] = {}
     try:

@@ -29,12 +29,12 @@ from fastapi.responses import JSONResponse
 
 from bubblespec.scheduler import weight_transfer
 from bubblespec.scheduler.core.pause import PAUSE_MODES
-from bubblespec.scheduler.core.types import InvalidRequest
+from bubblespec.scheduler.core.types import ErrorCode, InvalidRequest
 from bubblespec.scheduler.core.validate import check_weights_path
 from bubblespec.scheduler.openai_api import _refusal, error, read_json, unauthorized
 
 if TYPE_CHECKING:
-    from bubblespec.scheduler.server import Scheduler
+    from bubblespec.scheduler.app import SchedulerApp
 
 __all__ = ["create_router", "server_config", "world_size"]
 
@@ -43,21 +43,21 @@ _RENAME = {"weights_path": "weight_dir"}
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
-def world_size(scheduler: Scheduler) -> int:
+def world_size(scheduler: SchedulerApp) -> int:
     """Inference ranks behind the scheduler: the sum of the live workers' tensor-parallel sizes."""
-    return sum(max(1, w.hello.tensor_parallel_size) for w in scheduler.service.core.workers.values())
+    return sum(max(1, w.tensor_parallel_size) for w in scheduler.service.core.stats().workers)
 
 
-def server_config(scheduler: Scheduler) -> dict:
+def server_config(scheduler: SchedulerApp) -> dict:
     """The part of vLLM's ``VllmConfig`` JSON that trainers read."""
     s = scheduler.settings
-    core = scheduler.service.core
+    limits = scheduler.service.core.model_limits
     ranks = world_size(scheduler)
     backend = s.weight_transfer_backend  # the weight-transfer fan-out (weight_transfer.py): None = off
     return {
         "model_config": {
             "model": s.model_name(), "served_model_name": s.model_name(), "tokenizer": s.tokenizer or None,
-            "max_model_len": None if core.limits is None else core.limits.max_model_len,
+            "max_model_len": None if limits is None else limits.max_model_len,
             "logprobs_mode": "processed_logprobs" if s.default_logprobs_mode == "processed" else "raw_logprobs",
         },
         "parallel_config": {"world_size": ranks, "world_size_across_dp": ranks, "tensor_parallel_size": ranks,
@@ -86,12 +86,12 @@ def _weight_dir(body: dict, limits) -> str:
     return path
 
 
-def _base_weights(scheduler: Scheduler) -> str:
+def _base_weights(scheduler: SchedulerApp) -> str:
     """The weights the live workers started from (their hello's ``model``), if they agree and
     the path is within ``Limits.max_weights_path_bytes``."""
-    models = {w.hello.model for w in scheduler.service.core.workers.values()}
+    models = {w.model for w in scheduler.service.core.stats().workers}
     if not models:
-        raise InvalidRequest("workers", "no live worker: the base weights are not known", "UNAVAILABLE")
+        raise InvalidRequest("workers", "no live worker: the base weights are not known", ErrorCode.UNAVAILABLE)
     if "" in models:
         raise InvalidRequest("request", "a worker did not say which weights it started from: the base weights "
                              "are not known; use POST /update_weights {\"weight_dir\": ...}")
@@ -107,9 +107,9 @@ def _base_weights(scheduler: Scheduler) -> str:
     return path
 
 
-async def _update(scheduler: Scheduler, path: str) -> dict:
+async def _update(scheduler: SchedulerApp, path: str) -> dict:
     """The policy-version barrier to current + 1 from ``path``."""
-    version = scheduler.service.core.version + 1
+    version = scheduler.service.core.policy_version + 1
     try:
         loaded = await scheduler.service.update_policy(version, path)
     except InvalidRequest as exc:
@@ -121,7 +121,7 @@ async def _update(scheduler: Scheduler, path: str) -> dict:
     return {"status": "ok", "policy_version": version, "workers": loaded}
 
 
-def create_router(scheduler: Scheduler) -> APIRouter:
+def create_router(scheduler: SchedulerApp) -> APIRouter:
     router = APIRouter()
 
     async def answer(request: Request, handler) -> Response:
@@ -164,7 +164,7 @@ def create_router(scheduler: Scheduler) -> APIRouter:
     @router.get("/is_paused")
     async def is_paused(request: Request) -> Response:
         async def run():
-            return {"is_paused": scheduler.service.core.pauser.paused}
+            return {"is_paused": scheduler.service.core.paused}
         return await answer(request, run)
 
     @router.post("/update_weights")

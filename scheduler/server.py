@@ -68,7 +68,7 @@ class Scheduler:
             await self.service.journal.check_eviction()
             policy = await self.service.journal.load_policy()
             if policy is not None:  # a restart: the cluster keeps its policy version
-                self.core.version, self.core.weights_path = policy
+                self.core.restore_policy(*policy)
                 logger.info("restored policy version %d from the journal", policy[0])
         opts = [("grpc.max_send_message_length", s.max_message_bytes),
                 ("grpc.max_receive_message_length", s.max_message_bytes), *_keepalive_options(s)]
@@ -111,7 +111,7 @@ class Scheduler:
 
     @property
     def ready(self) -> bool:
-        return self._server is not None and not self.service.draining and bool(self.core.workers)
+        return self._server is not None and not self.service.draining and bool(self.core.worker_count)
 
     async def stop(self, grace: float | None = None) -> None:
         """Health NOT_SERVING, drain running steps, then stop the servers (idempotent)."""

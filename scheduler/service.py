@@ -1,52 +1,76 @@
 """The asyncio shell around ``SchedulerCore``: it owns the worker links, the step
-subscriptions and the policy barriers, feeds events to the core and executes its actions.
+subscriptions and the policy barriers, feeds worker events to the core (``core.handle``)
+and executes the actions it returns.
 
-The gRPC servicers and the HTTP app call into this class; it never parses protobuf
-except to build outgoing worker messages.
-"""
+The gRPC servicers and the HTTP app call into this class. Worker messages reach it already
+turned into events, what it queues for a worker is the core's action itself, and a step's
+stream is core types (``Completion`` lists, ``StepSummary``): ``scheduler/wire.py`` and the
+servicers convert at the edge; no protobuf here."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from bubblespec.api.v1 import rollout_pb2 as pb
-from bubblespec.client import _convert as cv
-from bubblespec.client.types import Completion, SamplingParams
+from bubblespec.client.types import Completion, SamplingParams, StepSummary
 from bubblespec.scheduler.control import ControlCalls
-from bubblespec.scheduler.core.checks import check_completion, check_replayed
-from bubblespec.scheduler.core.state import SchedulerCore, request_key
+from bubblespec.scheduler.core.checks import check_replayed
+from bubblespec.scheduler.core.events import WorkerEvent, WorkerJoined, WorkerLeft
+from bubblespec.scheduler.core.state import SchedulerCore
 from bubblespec.scheduler.core.transfer import WeightTransfer
 from bubblespec.scheduler.core.types import (
-    Abort, Action, Assign, Deliver, Disconnect, InvalidRequest, LoadPolicy, PolicyFailed, PolicyReady, StartDraft, StepFailed,
-    StepFinished, StepSpec, StopDraft, WorkerHello,
+    Abort,
+    Action,
+    Assign,
+    Deliver,
+    Disconnect,
+    ErrorCode,
+    Ignored,
+    InvalidRequest,
+    LoadPolicy,
+    PolicyFailed,
+    PolicyLoadReported,
+    PolicyReady,
+    StartDraft,
+    StepFailed,
+    StepFinished,
+    StepSpec,
+    StopDraft,
+    WorkerHello,
+    request_key,
 )
 
-__all__ = ["SchedulerService", "WorkerLink"]
+__all__ = ["END", "SchedulerService", "WorkerLink"]
 
 logger = logging.getLogger(__name__)
-_END = object()
+END = object()
+"""The last item of a worker's outbox and of a step subscriber's queue."""
 
 
 @dataclass(eq=False)
 class WorkerLink:
-    """One connected worker: its outbound message queue."""
+    """One connected worker: its outbound queue (core actions for it, control calls; the
+    servicer turns each into a ``SchedulerMessage``: ``wire.scheduler_message``) and, last,
+    ``END``."""
 
     worker_id: str
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
 
-    def send(self, msg: pb.SchedulerMessage | object) -> None:
+    def send(self, msg: object) -> None:
         self.outbox.put_nowait(msg)
 
     def close(self) -> None:
-        self.outbox.put_nowait(_END)
+        self.outbox.put_nowait(END)
 
 
 class SchedulerService:
+    """The asyncio side of the scheduler: worker links, trainer subscriptions, policy update
+    barriers, the journal. Feeds events to ``SchedulerCore`` and executes its actions
+    (``execute``); decides nothing the core decides (acceptance rules live in the core)."""
+
     def __init__(self, core: SchedulerCore, tokenize: Callable[[str], tuple[int, ...]] | None = None,
                  journal=None, orphan_grace_seconds: float = 30.0):
         self.core = core
@@ -57,7 +81,6 @@ class SchedulerService:
         self.subscribers: dict[str, list[asyncio.Queue]] = {}
         self.barriers: list[tuple[int, asyncio.Future]] = []
         self.listeners: list[Callable[[Action], None]] = []  # metrics exporter, persistence
-        self.load_listeners: list[Callable[[str, int, bool, float], None]] = []  # (worker, version, ok, seconds)
         self.draining = False
         self._resumed: list[asyncio.Future] = []  # pause(wait) calls in progress: a resume ends them
         self.control = ControlCalls(self._send)  # engine control calls fanned out to workers (control.py)
@@ -70,22 +93,8 @@ class SchedulerService:
             for listener in self.listeners:
                 listener(action)
             match action:
-                case Assign(worker_id, req):
-                    self._send(worker_id, pb.SchedulerMessage(assign=pb.Assignment(
-                        request_key=req.key, step_id=req.step_id, prompt_id=req.prompt_id,
-                        sample_index=req.sample_index, prompt_token_ids=list(req.prompt_token_ids),
-                        sampling=cv.sampling_to_pb(req.sampling), policy_version=req.policy_version,
-                        use_drafts=req.use_drafts, group_size=req.group_size)))
-                case Abort(worker_id, key):
-                    self._send(worker_id, pb.SchedulerMessage(abort=pb.Abort(request_key=key)))
-                case LoadPolicy(worker_id, version, path):
-                    self._send(worker_id, pb.SchedulerMessage(load_policy=pb.LoadPolicy(version=version, weights_path=path)))
-                case StartDraft(worker_id, job):
-                    self._send(worker_id, pb.SchedulerMessage(draft_job=pb.DraftJob(
-                        job_id=job.job_id, step_id=job.for_step, prompt_token_ids=list(job.prompt_token_ids),
-                        sampling=cv.sampling_to_pb(job.sampling), policy_version=job.policy_version)))
-                case StopDraft(worker_id, job_id):
-                    self._send(worker_id, pb.SchedulerMessage(stop_draft=pb.StopDraft(job_id=job_id)))
+                case Assign() | Abort() | LoadPolicy() | StartDraft() | StopDraft():
+                    self._send(action.worker_id, action)
                 case Disconnect(worker_id, reason):
                     link = self.links.pop(worker_id, None)
                     if link is not None:
@@ -93,14 +102,13 @@ class SchedulerService:
                         link.close()
                         self.control.lost(worker_id, f"disconnected before answering: {reason}")
                 case Deliver(step_id, completion):
-                    encoded = cv.completion_to_pb(completion)  # once, for the journal and every subscriber
                     if self.journal is not None:
                         key = request_key(step_id, completion.prompt_id, completion.sample_index)
-                        self.journal.save_completion(key, completion, encoded.SerializeToString())
-                    self._publish(step_id, encoded)
+                        self.journal.save_completion(key, completion)
+                    self._publish(step_id, completion)
                 case StepFinished(step_id, summary):
-                    self._publish(step_id, pb.GenerateResponse(summary=cv.summary_to_pb(summary)))
-                    self._publish(step_id, _END)
+                    self._publish(step_id, summary)
+                    self._publish(step_id, END)
                     if self.journal is not None:  # delivered: keep it only briefly (retries right after)
                         self.journal.finish_step(step_id)
                     logger.info("step %s finished: %d completions in %.2fs", step_id, summary.completions,
@@ -111,14 +119,19 @@ class SchedulerService:
                         self.journal.save_failure(step_id, field, message)
                         self.journal.finish_step(step_id)
                     self._publish(step_id, action)
-                    self._publish(step_id, _END)
+                    self._publish(step_id, END)
                 case PolicyReady(version, workers):
                     if self.journal is not None:  # only a version every live worker loaded is kept
-                        self.journal.save_policy(version, self.core.weights_path)
+                        self.journal.save_policy(version, self.core.policy_weights_path)
                     self._end_barrier(version, workers)
                 case PolicyFailed(version, code, field_, message):
                     logger.error("policy update to version %d failed: %s: %s", version, field_, message)
                     self._end_barrier(version, InvalidRequest(field_, message, code))
+                case PolicyLoadReported(worker_id, version, ok, error, _) if not ok:
+                    logger.error("worker %s failed to load version %d: %s", worker_id, version, error)
+                case Ignored(worker_id, field_, reason):  # stale (moved, cancelled: info) or wrong (warning)
+                    level = logging.INFO if field_.endswith(".request_key") else logging.WARNING
+                    logger.log(level, "worker %s: ignored: %s: %s", worker_id, field_, reason)
 
     def _end_barrier(self, version: int, outcome: int | InvalidRequest) -> None:
         """Answer every ``UpdatePolicy`` call waiting for ``version``: a worker count or an error."""
@@ -130,7 +143,8 @@ class SchedulerService:
                     fut.set_result(outcome)
         self.barriers = [(v, f) for v, f in self.barriers if not f.done()]
 
-    def _send(self, worker_id: str, msg: pb.SchedulerMessage) -> bool:
+    def _send(self, worker_id: str, msg: object) -> bool:
+        """Queue ``msg`` (an action for the worker, or a control call) on its stream."""
         link = self.links.get(worker_id)
         if link is not None:
             link.send(msg)
@@ -142,46 +156,47 @@ class SchedulerService:
 
     # ---------------------------------------------------------------- trainer --
 
-    async def run_step(self, spec: StepSpec, batch: bool = False) -> AsyncIterator[pb.GenerateResponse]:
-        """Submit (or resume) a step and stream its completions, then its summary. ``batch``: the
-        completions waiting at once go out as one ``CompletionBatch`` response (``_responses``);
-        else one ``completion`` response each."""
+    async def run_step(self, spec: StepSpec) -> AsyncIterator[list[Completion] | StepSummary]:
+        """Submit (or resume) a step and stream its completions, then its summary: each item is
+        every completion delivered since the last one (a list, in delivery order; the trainer's
+        servicer may send it as one ``CompletionBatch``), or the summary. A failed step raises
+        ``InvalidRequest`` (FAILED_PRECONDITION naming the prompt); a cancelled one CANCELLED."""
         if self.draining:
-            raise InvalidRequest("step_id", "the scheduler is shutting down", "UNAVAILABLE")
+            raise InvalidRequest("step_id", "the scheduler is shutting down", ErrorCode.UNAVAILABLE)
         existing = self.core.check_step(spec)
         done = await self._journaled(spec) if existing is None else {}
         existing = self.core.check_step(spec)  # another call may have submitted it meanwhile
         queue: asyncio.Queue = asyncio.Queue()
         for c in done.values():  # delivered by an earlier scheduler: replay
-            queue.put_nowait(cv.completion_to_pb(c))
+            queue.put_nowait(c)
         if existing is not None:  # resume: replay what is done, then follow
-            for c in existing.completions.values():
-                queue.put_nowait(cv.completion_to_pb(c))
+            for c in existing.completions:
+                queue.put_nowait(c)
             if existing.summary is not None:
-                queue.put_nowait(pb.GenerateResponse(summary=cv.summary_to_pb(existing.summary)))
-                queue.put_nowait(_END)
+                queue.put_nowait(existing.summary)
+                queue.put_nowait(END)
             elif existing.failure is not None:  # the same failure, not a re-run
                 raise _failed(existing.failure)
             elif existing.cancelled:
-                raise InvalidRequest("step_id", f"step {spec.step_id!r} was cancelled", "CANCELLED")
+                raise InvalidRequest("step_id", f"step {spec.step_id!r} was cancelled", ErrorCode.CANCELLED)
         self.subscribers.setdefault(spec.step_id, []).append(queue)
         try:
             if existing is None:
                 if self.journal is not None:
                     self.journal.save_step(spec.step_id, spec.fingerprint)
                 self.execute(self.core.submit_step(spec, done))
-            async for msg in _responses(queue, batch):
-                yield msg
-            step = self.core.steps.get(spec.step_id)
+            async for item in _items(queue):
+                yield item
+            step = self.core.step(spec.step_id)
             if step is not None and step.cancelled:
-                raise InvalidRequest("step_id", f"step {spec.step_id!r} was cancelled", "CANCELLED")
+                raise InvalidRequest("step_id", f"step {spec.step_id!r} was cancelled", ErrorCode.CANCELLED)
         finally:
             subs = self.subscribers.get(spec.step_id, [])
             if queue in subs:
                 subs.remove(queue)
             if not subs:
                 self.subscribers.pop(spec.step_id, None)
-                step = self.core.steps.get(spec.step_id)
+                step = self.core.step(spec.step_id)
                 if step is not None and step.active:  # the trainer went away mid-step
                     asyncio.get_running_loop().call_later(self.orphan_grace_seconds, self._cancel_orphan, spec.step_id)
 
@@ -194,21 +209,22 @@ class SchedulerService:
             return {}
         fingerprint, done = prior
         if fingerprint != spec.fingerprint:
-            raise InvalidRequest("step_id", f"step {spec.step_id!r} exists with different content", "ALREADY_EXISTS")
+            raise InvalidRequest("step_id", f"step {spec.step_id!r} exists with different content",
+                                 ErrorCode.ALREADY_EXISTS)
         failure = await self.journal.load_failure(spec.step_id)
         if failure is not None:  # an earlier scheduler ended it in failure: the same failure, not a re-run
             raise _failed(StepFailed(spec.step_id, *failure))
         kept = {}
         for key, c in done.items():  # authentic (MAC checked), but checked like a live completion too
             try:
-                kept[key] = check_replayed(c, key, spec, self.core.limits)
+                kept[key] = check_replayed(c, key, spec, self.core.model_limits)
             except InvalidRequest as exc:
                 self.journal.reject(f"a completion of step {spec.step_id!r}", str(exc))
         logger.info("step %s resumed from the journal: %d completions already delivered", spec.step_id, len(kept))
         return kept
 
     def _cancel_orphan(self, step_id: str) -> None:
-        step = self.core.steps.get(step_id)
+        step = self.core.step(step_id)
         if step is not None and step.active and not self.subscribers.get(step_id):
             logger.warning("step %s: no trainer attached for %.0fs, cancelling", step_id, self.orphan_grace_seconds)
             self.execute(self.core.cancel_step(step_id))
@@ -236,8 +252,8 @@ class SchedulerService:
         return self.core.announce(prompts, sampling)
 
     def cancel(self, step_id: str) -> int:
-        step = self.core.steps.get(step_id)
-        pending = 0 if step is None else sum(1 for r in step.requests.values() if not r.done)
+        step = self.core.step(step_id)
+        pending = 0 if step is None else step.pending
         self.execute(self.core.cancel_step(step_id))
         return pending
 
@@ -245,9 +261,9 @@ class SchedulerService:
         """vLLM's ``/pause`` (``core/pause.py``): new steps are refused from now on; ``abort``
         cancels the active steps, ``keep`` holds them, ``wait`` returns once every active step
         not held has ended. False when a ``/resume`` came first (the pause is over)."""
-        self.execute(self.core.pauser.pause(mode))
+        self.execute(self.core.pause(mode))
         loop = asyncio.get_running_loop()
-        while mode == "wait" and self.core.pauser.paused and self.core.pauser.waiting():
+        while mode == "wait" and self.core.paused and self.core.pause_waiting():
             ended = loop.create_future()
 
             def wake(action, ended=ended) -> None:
@@ -261,12 +277,12 @@ class SchedulerService:
             finally:
                 self.listeners.remove(wake)
                 self._resumed.remove(ended)
-        return self.core.pauser.paused
+        return self.core.paused
 
     def resume(self) -> None:
         """vLLM's ``/resume``: held steps run again (at the current policy version), new steps
         are taken. Idempotent."""
-        self.execute(self.core.pauser.resume())
+        self.execute(self.core.resume())
         for ended in self._resumed:  # a pause still waiting is over
             if not ended.done():
                 ended.set_result(None)
@@ -278,8 +294,8 @@ class SchedulerService:
         if old is not None:  # a reconnect supersedes the old stream
             old.close()
             self.control.lost(hello.worker_id, "reconnected before answering (its stream was replaced)")
-            self.execute(self.core.remove_worker(hello.worker_id, "the worker reconnected while running it"))
-        actions = self.core.add_worker(hello)
+            self.execute(self.core.handle(WorkerLeft(hello.worker_id, "the worker reconnected while running it")))
+        actions = self.core.handle(WorkerJoined(hello))
         link = WorkerLink(hello.worker_id)
         self.links[hello.worker_id] = link
         self.execute(actions)
@@ -290,81 +306,13 @@ class SchedulerService:
         if self.links.get(link.worker_id) is link:
             del self.links[link.worker_id]
             self.control.lost(link.worker_id, "its stream ended before it answered")
-            self.execute(self.core.remove_worker(link.worker_id, "the worker's stream ended while running it"))
+            self.execute(self.core.handle(WorkerLeft(link.worker_id, "the worker's stream ended while running it")))
             logger.info("worker %s left", link.worker_id)
 
-    def on_worker_message(self, worker_id: str, msg: pb.WorkerMessage) -> None:
-        core = self.core
-        kind = msg.WhichOneof("kind")
-        if kind == "heartbeat":
-            tps = msg.heartbeat.tokens_per_second
-            if not math.isfinite(tps) or tps < 0:
-                raise InvalidRequest("heartbeat.tokens_per_second", f"must be a finite number >= 0, got {tps}")
-            core.heartbeat(worker_id, tps)
-            return
-        core.touch(worker_id)
-        if kind == "completions":  # a batch: each as its own completion message, in order
-            for i, wc in enumerate(msg.completions.completions):
-                try:
-                    self._on_completion(worker_id, wc)
-                except InvalidRequest as exc:  # one bad entry costs only itself
-                    logger.warning("worker %s sent a bad message: completions[%d]: %s", worker_id, i, exc)
-            return
-        if kind == "progress_batch":  # each as its own progress message
-            for p in msg.progress_batch.progress:
-                if _holds(core, worker_id, p.request_key):
-                    core.on_progress(worker_id, p.request_key, p.generated_tokens)
-                else:
-                    logger.info("worker %s: ignored progress: progress.request_key %.80r is not running on this worker",
-                                worker_id, p.request_key)
-            return
-        if kind in ("progress", "completion", "aborted") and not _holds(core, worker_id, getattr(msg, kind).request_key):
-            logger.info("worker %s: ignored %s: %s.request_key %.80r is not running on this worker",
-                        worker_id, kind, kind, getattr(msg, kind).request_key)  # stale (moved, cancelled) or forged
-            return
-        if kind == "progress":
-            core.on_progress(worker_id, msg.progress.request_key, msg.progress.generated_tokens)
-        elif kind == "completion":
-            self._on_completion(worker_id, msg.completion, held=True)
-        elif kind == "aborted":
-            self.execute(core.on_aborted(worker_id, msg.aborted.request_key, msg.aborted.reason))
-        elif kind == "policy_loaded":
-            m = msg.policy_loaded
-            w = core.workers.get(worker_id)
-            if w is None or w.loading != m.version:  # nobody asked: ignore (no state, no metrics)
-                logger.warning("worker %s sent a bad message: policy_loaded.version: %d was not asked of it",
-                               worker_id, m.version)
-                return
-            if not m.ok:
-                logger.error("worker %s failed to load version %d: %s", worker_id, m.version, m.error)
-            for listener in self.load_listeners:
-                listener(worker_id, m.version, m.ok, m.seconds)
-            self.execute(core.on_policy_loaded(worker_id, m.version, m.ok, m.error, m.weights_unknown))
-        elif kind == "control_result":
-            self.control.answer(worker_id, msg.control_result)
-        elif kind == "draft_result":
-            self.execute(core.on_draft_result(worker_id, msg.draft_result.job_id, msg.draft_result.tokens,
-                                              msg.draft_result.finished))
-        else:
-            raise InvalidRequest("kind", f"unexpected worker message {kind!r}")
-
-    def _on_completion(self, worker_id: str, wc: pb.WorkerCompletion, held: bool = False) -> None:
-        """One completion from ``worker_id`` (``held``: ``_holds`` already checked)."""
-        core = self.core
-        if not held and not _holds(core, worker_id, wc.request_key):
-            logger.info("worker %s: ignored completion: completion.request_key %.80r is not running on this worker",
-                        worker_id, wc.request_key)  # stale (moved, cancelled) or forged
-            return
-        wc.completion.worker_id = worker_id  # stamped: the worker that sent it, whatever it claims
-        c = _checked_completion(wc, core.limits)
-        wanted = _requested_version(core, wc.request_key)
-        if c.policy_version != wanted:  # made with other weights than asked: a failed attempt
-            logger.error("worker %s: completion of %.80r is from policy version %d, the request asked for %d; "
-                         "running it again", worker_id, wc.request_key, c.policy_version, wanted)
-            self.execute(core.on_aborted(worker_id, wc.request_key,
-                                         f"completion from policy version {c.policy_version}, not {wanted}"))
-            return
-        self.execute(core.on_completion(worker_id, wc.request_key, c))
+    def on_worker_event(self, event: WorkerEvent) -> None:
+        """One event of a worker's stream (``wire.feed`` makes them): the core decides whether
+        it is taken; raises ``InvalidRequest`` for one that breaks the protocol."""
+        self.execute(self.core.handle(event))
 
     async def tick_forever(self, period: float) -> None:
         while True:
@@ -378,67 +326,37 @@ class SchedulerService:
         """Refuse new steps and wait (up to ``timeout``) for running ones to finish."""
         self.draining = True
         deadline = time.monotonic() + timeout
-        while any(s.active for s in self.core.steps.values()) and time.monotonic() < deadline:
+        while self.core.any_step_active and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         for link in list(self.links.values()):
             link.close()
 
 
-BATCH_BYTES = 2**20
-"""Most bytes of completions one ``CompletionBatch`` response carries (a single larger
-completion goes alone): far under the gRPC message limits of both ends (64 MiB by default)."""
-BATCH_MAX = 512
-"""Most completions one ``CompletionBatch`` response carries."""
-
-
-async def _responses(queue: asyncio.Queue, batch: bool) -> AsyncIterator[pb.GenerateResponse]:
-    """A step subscriber's queue as trainer responses, up to its end (``_END``): completions
-    (``pb.Completion``) one per response, or with ``batch`` every completion already waiting
-    (up to ``BATCH_MAX`` / ``BATCH_BYTES``) in one ``CompletionBatch``, in order; summaries as
-    they are; a ``StepFailed`` raises."""
+async def _items(queue: asyncio.Queue) -> AsyncIterator[list[Completion] | StepSummary]:
+    """A step subscriber's queue up to its end (``END``): the completions waiting at once as
+    one list, in order; a summary as it is; a ``StepFailed`` raises."""
     pending = None
     while True:
         msg = pending if pending is not None else await queue.get()
         pending = None
-        if msg is _END:
+        if msg is END:
             return
         if isinstance(msg, StepFailed):
             raise _failed(msg)
-        if not isinstance(msg, pb.Completion):
+        if not isinstance(msg, Completion):
             yield msg
-        elif not batch:
-            yield pb.GenerateResponse(completion=msg)
-        else:
-            group, size = [msg], msg.ByteSize()
-            while not queue.empty() and len(group) < BATCH_MAX:
-                nxt = queue.get_nowait()
-                if not isinstance(nxt, pb.Completion) or size + nxt.ByteSize() > BATCH_BYTES:
-                    pending = nxt  # handled next, in its place
-                    break
-                group.append(nxt)
-                size += nxt.ByteSize()
-            yield pb.GenerateResponse(completions=pb.CompletionBatch(completions=group))
+            continue
+        group = [msg]
+        while not queue.empty():
+            nxt = queue.get_nowait()
+            if not isinstance(nxt, Completion):
+                pending = nxt  # handled next, in its place
+                break
+            group.append(nxt)
+        yield group
 
 
 def _failed(failure: StepFailed) -> InvalidRequest:
     """A failed step, as the trainer sees it: FAILED_PRECONDITION naming the prompt (the SDK
     raises ``PreconditionFailed``, a fatal error: the same step id returns the same failure)."""
-    return InvalidRequest(failure.field, failure.message, "FAILED_PRECONDITION")
-
-
-def _requested_version(core: SchedulerCore, key: str) -> int:
-    """The policy version the request ``key`` (held by a worker: see ``_holds``) asked for."""
-    return core.steps[key.split("/", 1)[0]].requests[key].spec.policy_version
-
-
-def _holds(core: SchedulerCore, worker_id: str, key: str) -> bool:
-    """Whether ``key`` is an unfinished request of an active step, running on ``worker_id``."""
-    step = core.steps.get(key.split("/", 1)[0])
-    req = step.requests.get(key) if step is not None else None
-    return req is not None and step.active and not req.done and req.worker == worker_id
-
-
-def _checked_completion(msg: pb.WorkerCompletion, limits) -> Completion:
-    """A worker's completion, refused when it names another request or leaves the vocabulary
-    (the same check a completion replayed from the journal passes: ``core.checks``)."""
-    return check_completion(cv.completion_from_pb(msg.completion), msg.request_key, limits)
+    return InvalidRequest(failure.field, failure.message, ErrorCode.FAILED_PRECONDITION)

@@ -1,4 +1,8 @@
-"""gRPC servicers: parse, call the service, map the result. Nothing else lives here."""
+"""gRPC servicers: parse, call the service, map the result. Nothing else lives here.
+
+``RolloutServicer`` serves the trainer's API (Generate, Announce, UpdatePolicy, Status,
+Cancel); ``WorkerLinkServicer`` one bidirectional stream per worker, converting at the edge
+(``wire.py``): worker messages in as core events, the worker's outbox out as messages."""
 
 from __future__ import annotations
 
@@ -7,18 +11,24 @@ import logging
 from dataclasses import replace
 
 import grpc
-
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.api.v1 import rollout_pb2_grpc as pbg
 from bubblespec.client import _convert as cv
-from bubblespec.client.types import LOGPROBS_MODES, SamplingParams
-from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits, WorkerHello
+from bubblespec.client.types import LOGPROBS_MODES, SamplingParams, SchedulingPolicy
+from bubblespec.scheduler.core.types import ErrorCode, InvalidRequest, ModelLimits, WorkerHello
 from bubblespec.scheduler.core.validate import (
-    Limits, build_step, check_id, check_request_bytes, check_sampling, check_weights_path, prompt_tokens,
+    Limits,
+    build_step,
+    check_id,
+    check_request_bytes,
+    check_sampling,
+    check_weights_path,
+    prompt_tokens,
     worker_message_bound,
 )
-from bubblespec.scheduler.service import SchedulerService
+from bubblespec.scheduler.service import END, SchedulerService
 from bubblespec.scheduler.status_view import StatusView
+from bubblespec.scheduler.wire import feed, generate_responses, scheduler_message
 
 __all__ = ["RolloutServicer", "WorkerLinkServicer"]
 
@@ -32,7 +42,11 @@ async def _abort(context: grpc.aio.ServicerContext, exc: InvalidRequest) -> None
 
 
 class RolloutServicer(pbg.RolloutServicer):
-    def __init__(self, service: SchedulerService, limits: Limits, default_policy, status: StatusView | None = None,
+    """The trainer's gRPC API: validates each request into core types (``core/validate.py``),
+    calls ``SchedulerService``, maps ``InvalidRequest`` to the gRPC status it names."""
+
+    def __init__(self, service: SchedulerService, limits: Limits, default_policy: SchedulingPolicy,
+                 status: StatusView | None = None,
                  default_logprobs_mode: str = "processed"):
         self.service = service
         self.limits = limits
@@ -49,9 +63,10 @@ class RolloutServicer(pbg.RolloutServicer):
         return replace(sampling, logprobs_mode=sampling.logprobs_mode or self.default_logprobs_mode)
 
     def _model(self) -> ModelLimits:
-        if self.service.core.limits is None:
-            raise InvalidRequest("workers", "no worker has connected yet", "UNAVAILABLE")
-        return self.service.core.limits
+        limits = self.service.core.model_limits
+        if limits is None:
+            raise InvalidRequest("workers", "no worker has connected yet", ErrorCode.UNAVAILABLE)
+        return limits
 
     async def Generate(self, request: pb.GenerateRequest, context):
         try:
@@ -65,8 +80,9 @@ class RolloutServicer(pbg.RolloutServicer):
                 use_drafts=not request.disable_drafts, straggler_watch=not request.disable_straggler_watch,
                 limits=self.limits, model=self._model(), tokenize=self.service.tokenize,
             )
-            async for msg in self.service.run_step(spec, batch=request.batch_completions):
-                yield msg
+            async for item in self.service.run_step(spec):
+                for msg in generate_responses(item, request.batch_completions):
+                    yield msg
         except InvalidRequest as exc:
             await _abort(context, exc)
 
@@ -98,7 +114,7 @@ class RolloutServicer(pbg.RolloutServicer):
         workers = [pb.WorkerStatus(worker_id=w["worker_id"], state=w["state"], policy_version=w["policy_version"],
                                    running=w["running"], capacity=w["capacity"],
                                    tokens_per_second=w["tokens_per_second"]) for w in snap["workers"]]
-        steps = [cv.summary_to_pb(s.summary) for s in self.service.core.steps.values() if s.summary is not None]
+        steps = [cv.summary_to_pb(s.summary) for s in self.service.core.stats().steps if s.summary is not None]
         return pb.StatusResponse(policy_version=snap["policy_version"], workers=workers, steps=steps,
                                  requests_waiting=snap["requests_waiting"], requests_running=snap["requests_running"],
                                  json=doc.body.decode())
@@ -111,6 +127,9 @@ class RolloutServicer(pbg.RolloutServicer):
 
 
 class WorkerLinkServicer(pbg.WorkerLinkServicer):
+    """``Connect``: the worker's hello joins it (``attach_worker``); then its messages are fed
+    to the service (``wire.feed``) while its outbox streams back, until either side ends."""
+
     def __init__(self, service: SchedulerService, limits: Limits = Limits(), max_message_bytes: int = 64 * 2**20):
         self.service = service
         self.limits = limits
@@ -135,8 +154,8 @@ class WorkerLinkServicer(pbg.WorkerLinkServicer):
             return
         reader = asyncio.create_task(self._read(link.worker_id, request_iterator, link))
         try:
-            while (msg := await link.outbox.get()) is not None and isinstance(msg, pb.SchedulerMessage):
-                yield msg
+            while (item := await link.outbox.get()) is not END:
+                yield scheduler_message(item)
         finally:
             reader.cancel()
             self.service.detach_worker(link)
@@ -147,13 +166,14 @@ class WorkerLinkServicer(pbg.WorkerLinkServicer):
         bound = worker_message_bound(self.limits, max_model_len)
         if bound > self.max_message_bytes:
             raise InvalidRequest("hello.max_model_len", f"assignments for {max_model_len} tokens may take {bound} bytes, "
-                                 f"over the scheduler's max_message_bytes {self.max_message_bytes}", "FAILED_PRECONDITION")
+                                 f"over the scheduler's max_message_bytes {self.max_message_bytes}",
+                                 ErrorCode.FAILED_PRECONDITION)
 
     async def _read(self, worker_id: str, request_iterator, link) -> None:
         try:
             async for msg in request_iterator:
                 try:
-                    self.service.on_worker_message(worker_id, msg)
+                    feed(self.service, worker_id, msg)
                 except InvalidRequest as exc:
                     logger.warning("worker %s sent a bad message: %s", worker_id, exc)
         except (grpc.RpcError, grpc.aio.AbortError, asyncio.CancelledError):

@@ -25,12 +25,12 @@ from fastapi.responses import JSONResponse
 
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.scheduler.control import ControlAnswer
-from bubblespec.scheduler.core.types import InvalidRequest
+from bubblespec.scheduler.core.types import ErrorCode, InvalidRequest
 from bubblespec.scheduler.openai_api import STATUS, read_json, unauthorized
 from bubblespec.scheduler.openai_api import error as openai_error
 
 if TYPE_CHECKING:
-    from bubblespec.scheduler.server import Scheduler
+    from bubblespec.scheduler.app import SchedulerApp
 
 __all__ = ["create_router", "update_weights"]
 
@@ -46,27 +46,27 @@ class WorkersFailed(InvalidRequest):
     def __init__(self, call: str, answers: dict[str, ControlAnswer]):
         failed = {wid: a.error for wid, a in sorted(answers.items()) if not a.ok}
         reasons = "; ".join(f"worker {wid}: {why}" for wid, why in failed.items())
-        super().__init__("workers", f"{call} failed on {len(failed)} of {len(answers)} worker(s): {reasons}", "INTERNAL")
+        super().__init__("workers", f"{call} failed on {len(failed)} of {len(answers)} worker(s): {reasons}", ErrorCode.INTERNAL)
 
 
 def error(exc: InvalidRequest) -> JSONResponse:
     """An OpenAI-shaped error naming the field; a call in the wrong state is a conflict (409)."""
-    status = 409 if exc.code == "FAILED_PRECONDITION" else STATUS.get(exc.code, 400)
+    status = 409 if exc.code == ErrorCode.FAILED_PRECONDITION else STATUS.get(exc.code, 400)
     return openai_error(status, str(exc), exc.field)
 
 
-def _lock(scheduler: Scheduler) -> Lock:
+def _lock(scheduler: SchedulerApp) -> Lock:
     return _locks.setdefault(scheduler.service, Lock())
 
 
-def _enabled(scheduler: Scheduler) -> None:
+def _enabled(scheduler: SchedulerApp) -> None:
     if not scheduler.settings.weight_transfer_backend:
         raise InvalidRequest("weight_transfer_config", "the scheduler has no weight-transfer engine: start it with "
                              "--weight-transfer-backend nccl (SchedulerSettings.weight_transfer_backend, env "
                              "BUBBLESPEC_WEIGHT_TRANSFER_BACKEND) and its workers with the same backend")
 
 
-async def _fan_out(scheduler: Scheduler, call: str, op: int, args: dict[str, dict],
+async def _fan_out(scheduler: SchedulerApp, call: str, op: int, args: dict[str, dict],
                    policy_version: int = 0) -> dict[str, ControlAnswer]:
     service = scheduler.service
     answers = await service.control.fan_out(op, args, scheduler.settings.weight_transfer_timeout_seconds,
@@ -83,7 +83,7 @@ def _errors(answers: dict[str, ControlAnswer]) -> dict[str, str | None]:
 
 # ------------------------------------------------------------------- calls --
 
-async def _init(scheduler: Scheduler, body: dict) -> dict:
+async def _init(scheduler: SchedulerApp, body: dict) -> dict:
     _enabled(scheduler)
     transfer = scheduler.service.transfer
     plan = transfer.plan_init(body.get("init_info"))
@@ -98,7 +98,7 @@ async def _init(scheduler: Scheduler, body: dict) -> dict:
     return {"message": "Weight transfer initialized"}
 
 
-async def _start(scheduler: Scheduler, body: dict) -> dict:
+async def _start(scheduler: SchedulerApp, body: dict) -> dict:
     _enabled(scheduler)
     service = scheduler.service
     version, actions = service.transfer.start()
@@ -112,7 +112,7 @@ async def _start(scheduler: Scheduler, body: dict) -> dict:
     return {"message": "Weight update started"}
 
 
-def _checked_group(scheduler: Scheduler) -> None:
+def _checked_group(scheduler: SchedulerApp) -> None:
     """The group is still the one of init, else the update in progress fails (and the error
     is raised): a worker that left or joined has not got the weights."""
     service = scheduler.service
@@ -123,7 +123,7 @@ def _checked_group(scheduler: Scheduler) -> None:
         raise
 
 
-async def _update(scheduler: Scheduler, body: dict) -> dict:
+async def _update(scheduler: SchedulerApp, body: dict) -> dict:
     _enabled(scheduler)
     transfer = scheduler.service.transfer
     transfer.check_updating("update")
@@ -137,7 +137,7 @@ async def _update(scheduler: Scheduler, body: dict) -> dict:
     return {"message": "Weights updated"}
 
 
-async def _finish(scheduler: Scheduler, body: dict) -> dict:
+async def _finish(scheduler: SchedulerApp, body: dict) -> dict:
     _enabled(scheduler)
     service = scheduler.service
     label = body.get("weight_version")
@@ -150,11 +150,11 @@ async def _finish(scheduler: Scheduler, body: dict) -> dict:
     service.execute(service.transfer.finish(label or "", _errors(answers)))
     if not all(a.ok for a in answers.values()):
         raise WorkersFailed("finish_weight_update", answers)
-    logger.info("weight transfer: policy version %d (%s) is current", version, service.core.weights_path)
+    logger.info("weight transfer: policy version %d (%s) is current", version, service.core.policy_weights_path)
     return {"message": "Weight update finished"}
 
 
-async def _reset_prefix_cache(scheduler: Scheduler, flags: dict) -> dict:
+async def _reset_prefix_cache(scheduler: SchedulerApp, flags: dict) -> dict:
     args = {wid: flags for wid in scheduler.service.links}
     answers = await _fan_out(scheduler, "reset_prefix_cache", pb.CONTROL_OP_RESET_PREFIX_CACHE, args)
     if not all(a.ok for a in answers.values()):
@@ -162,13 +162,13 @@ async def _reset_prefix_cache(scheduler: Scheduler, flags: dict) -> dict:
     return {"success": all(a.result.get("success") is True for a in answers.values())}
 
 
-async def update_weights(scheduler: Scheduler, body: dict) -> Response:
+async def update_weights(scheduler: SchedulerApp, body: dict) -> Response:
     """vLLM's ``POST /update_weights {update_info}``: one chunk of trainer-pushed weights,
     received by every worker of the group. ``body``: the parsed request (authorized)."""
     return await _answer(scheduler, _update, body)
 
 
-async def _answer(scheduler: Scheduler, call, body: dict) -> Response:
+async def _answer(scheduler: SchedulerApp, call, body: dict) -> Response:
     try:
         async with _lock(scheduler):
             return JSONResponse(await call(scheduler, body))
@@ -178,7 +178,7 @@ async def _answer(scheduler: Scheduler, call, body: dict) -> Response:
 
 # ------------------------------------------------------------------ routes --
 
-def create_router(scheduler: Scheduler) -> APIRouter:
+def create_router(scheduler: SchedulerApp) -> APIRouter:
     router = APIRouter()
 
     async def handle(request: Request, call) -> Response:

@@ -2,7 +2,8 @@
 
 A real ``Scheduler`` (gRPC + HTTP on loopback) whose core holds N workers with full timelines
 (``CoreSettings.timeline_segments`` closed segments each, as after a long run) and a running
-step; before each call every worker closes one more segment. Two routes are timed side by side: ``/status`` and ``/status-dict``, which returns
+step; before each call every worker closes one more segment. Two routes are timed side by side:
+``/status`` and ``/status-dict``, which returns
 ``core.status()`` as a dict for FastAPI to encode (how ``/status`` was served before
 ``StatusEncoder``). A probe task on the scheduler's loop measures how late a 5 ms sleep wakes:
 that lateness is the stall that gRPC calls, heartbeats and completions see meanwhile. The

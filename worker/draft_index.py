@@ -14,6 +14,12 @@ and ``sibling`` (the other samples of the same prompt, read live from the batch)
 3. A cursor ``(candidate, position)`` remembers the match; as long as newly generated tokens
    keep agreeing with the candidate it advances without searching again.
 
+4. **Self-suffix** (``SuffixIndex``): where no candidate continues the current position, the
+   longest recent suffix (``min_match`` to ``max_match`` tokens) of the request's own sequence
+   (prompt + output so far) that occurred earlier in that sequence proposes what followed it
+   (source ``suffix``). The index grows by the new tokens only: a step costs O(new tokens +
+   ``max_occurrences * max_match``), never a scan of the sequence.
+
 Drafts never change a result: vLLM verifies them against the target model.
 
 Adaptive length (``DraftLength``): each request keeps an exponential moving average ``a`` of
@@ -30,9 +36,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Candidate", "DraftLength", "RequestDrafter", "SOURCES"]
+__all__ = ["SOURCES", "Candidate", "DraftLength", "RequestDrafter", "SuffixIndex", "SuffixRule"]
 
-SOURCES = ("future", "history", "sibling")
+SOURCES = ("future", "history", "sibling", "suffix")
 
 
 @dataclass
@@ -81,6 +87,84 @@ class RequestStats:
     accepted: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
 
 
+@dataclass(frozen=True)
+class SuffixRule:
+    """How a request drafts from its own text where no candidate continues it (source ``suffix``)."""
+
+    enabled: bool = True
+    """Draft from the request's own prompt + output when no stored or sibling draft continues
+    the current position. Exact either way: the target model verifies every proposed token."""
+    min_match: int = 3
+    """Shortest suffix of the sequence that must have occurred before to propose anything."""
+    max_match: int = 24
+    """Longest suffix compared when ranking earlier occurrences (bounds the cost of a lookup)."""
+    max_occurrences: int = 8
+    """Most recent earlier occurrences of the ``min_match``-token suffix that are compared."""
+
+    def __post_init__(self) -> None:
+        if self.min_match < 1:
+            raise ValueError(f"min_match: must be >= 1, got {self.min_match}")
+        if self.max_match < self.min_match:
+            raise ValueError(f"max_match: must be >= min_match ({self.min_match}), got {self.max_match}")
+        if self.max_occurrences < 1:
+            raise ValueError(f"max_occurrences: must be >= 1, got {self.max_occurrences}")
+
+
+class SuffixIndex:
+    """Incremental index of one token sequence: every ``min_match``-gram maps to the positions
+    just after its occurrences. ``extend`` costs O(new tokens); ``propose`` compares at most
+    ``max_occurrences`` occurrences over at most ``max_match`` tokens each."""
+
+    def __init__(self, rule: SuffixRule, tokens=()):
+        self.rule = rule
+        self.tokens: list[int] = []
+        self._ends: dict[tuple[int, ...], list[int]] = {}
+        self.extend(tokens)
+
+    def extend(self, tokens) -> None:
+        m = self.rule.min_match
+        seq = self.tokens
+        for t in tokens:
+            seq.append(int(t))
+            if len(seq) >= m:
+                self._ends.setdefault(tuple(seq[-m:]), []).append(len(seq))
+
+    def match(self) -> tuple[int, int]:
+        """(position after the best earlier occurrence of the sequence's suffix, its length);
+        (-1, 0) if the last ``min_match`` tokens never occurred before. Longest match wins,
+        the most recent among equals."""
+        seq, m, n = self.tokens, self.rule.min_match, len(self.tokens)
+        if n <= m:
+            return -1, 0
+        ends = self._ends.get(tuple(seq[n - m:]), ())
+        best_end, best_len = -1, 0
+        for end in reversed(ends[-self.rule.max_occurrences - 1:]):
+            if end >= n:
+                continue  # the suffix itself
+            length = m
+            while length < self.rule.max_match and end - length > 0 and seq[end - length - 1] == seq[n - length - 1]:
+                length += 1
+            if length > best_len:
+                best_end, best_len = end, length
+                if length >= self.rule.max_match:
+                    break
+        return best_end, best_len
+
+    def propose(self, k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the best earlier occurrence of the current suffix.
+        Where that continuation runs into the present, it repeats with the period ``n - end``
+        (the matched text repeats with that period, so the draft continues the repetition)."""
+        end, _ = self.match()
+        if end < 0 or k <= 0:
+            return []
+        seq, n = self.tokens, len(self.tokens)
+        out: list[int] = []
+        period = n - end
+        for i in range(k):
+            out.append(seq[end + i] if end + i < n else out[i - period])
+        return out
+
+
 class RequestDrafter:
     """Draft state of one running request."""
 
@@ -93,6 +177,8 @@ class RequestDrafter:
         prompt_hash: int = 0,
         prompt_len: int = 0,
         match_len: int = 3,
+        suffix: SuffixRule | None = None,
+        prompt_tokens=(),
     ):
         self.key = key
         self.prompt_hash = prompt_hash
@@ -106,6 +192,10 @@ class RequestDrafter:
         self._cursor: tuple[int, int] | None = None  # (candidate index, position)
         self._seen = 0  # generated tokens already folded into the cursor
         self._last: tuple[str, int] | None = None  # (source, drafted) of the last proposal
+        self.suffix_accept = rule.prior  # acceptance average of self-suffix drafts, kept apart
+        self._suffix = SuffixIndex(suffix, prompt_tokens) if suffix is not None and suffix.enabled else None
+        self._suffix_seen = 0  # generated tokens already in the suffix index
+        self._suffix_prompt = len(prompt_tokens)
 
     def observe(self, num_sampled: int) -> None:
         """Account for the engine step that just sampled ``num_sampled`` tokens."""
@@ -116,7 +206,11 @@ class RequestDrafter:
         accepted = max(0, min(drafted, num_sampled - 1))
         self.stats.drafted[source] += drafted
         self.stats.accepted[source] += accepted
-        self.accept = (1 - self.rule.ema) * self.accept + self.rule.ema * (accepted / drafted)
+        rate = accepted / drafted
+        if source == "suffix":
+            self.suffix_accept = (1 - self.rule.ema) * self.suffix_accept + self.rule.ema * rate
+        else:
+            self.accept = (1 - self.rule.ema) * self.accept + self.rule.ema * rate
         self._last = None
 
     def set_siblings(self, siblings: list[Candidate]) -> None:
@@ -126,20 +220,36 @@ class RequestDrafter:
             self._cursor = None  # sibling contents moved on; search again
 
     def propose(self, generated: np.ndarray, cap: int) -> list[int]:
-        """Draft tokens to follow ``generated`` (this request's output so far)."""
+        """Draft tokens to follow ``generated`` (this request's output so far): from a
+        candidate where one continues it, else from the request's own text (``SuffixRule``)."""
+        if self._suffix is not None:
+            self._sync_suffix(generated)
         k = self.rule.for_request(self.accept, self.stats.forward_passes, cap)
-        if k <= 0 or not self.candidates:
+        pos = self._advance(generated) if k > 0 and self.candidates else None
+        if pos is not None:
+            idx, at = pos
+            cand = self.candidates[idx]
+            draft = cand.tokens[at : at + k]
+            if len(draft):
+                self._last = (cand.source, len(draft))
+                return draft.tolist()
+        if self._suffix is None:
             return []
-        pos = self._advance(generated)
-        if pos is None:
-            return []
-        idx, at = pos
-        cand = self.candidates[idx]
-        draft = cand.tokens[at : at + k]
-        if len(draft) == 0:
-            return []
-        self._last = (cand.source, len(draft))
-        return draft.tolist()
+        drafted = self._suffix.propose(self.rule.for_request(self.suffix_accept, self.stats.forward_passes, cap))
+        if drafted:
+            self._last = ("suffix", len(drafted))
+        return drafted
+
+    def _sync_suffix(self, generated: np.ndarray) -> None:
+        """Append the newly generated tokens to the suffix index. Output only grows while a
+        request runs; should it ever be shorter than what was indexed, the index restarts
+        from the prompt."""
+        assert self._suffix is not None
+        if len(generated) < self._suffix_seen:
+            self._suffix = SuffixIndex(self._suffix.rule, self._suffix.tokens[: self._suffix_prompt])
+            self._suffix_seen = 0
+        self._suffix.extend(generated[self._suffix_seen:].tolist())
+        self._suffix_seen = len(generated)
 
     def _advance(self, generated: np.ndarray) -> tuple[int, int] | None:
         g = len(generated)

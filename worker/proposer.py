@@ -14,6 +14,9 @@ before the runner exists as an attribute, so the worker calls ``collective_rpc
 
     {"key": "<request key>", "drafts": [["future" | "history", <uint32 LE bytes>], ...],
      "enabled": true}
+
+Where no candidate continues a request, it can draft from its own prompt + output (source
+``suffix``, ``draft_index.SuffixRule``; engine setting ``self_suffix_drafting``, off by default).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from bubblespec.worker.draft_index import Candidate, DraftLength, RequestDrafter
+from bubblespec.worker.draft_index import Candidate, DraftLength, RequestDrafter, SuffixRule
 
 __all__ = ["BubbleSpecProposer", "BubbleSpecWorkerExtension", "check_expand_batch_to_tokens", "install_cpu_sampler_fix"]
 
@@ -88,6 +91,7 @@ class BubbleSpecProposer:
             token_budget=int(extra.get("token_budget", 256)),
             min_accept_prob=float(extra.get("min_accept_prob", 0.3)),
         )
+        self.suffix = SuffixRule(enabled=bool(extra.get("self_suffix", False)))
         self.runner: Any = None
         self.vocab_size = vllm_config.model_config.get_vocab_size()
         self.errors = 0
@@ -152,8 +156,8 @@ class BubbleSpecProposer:
         cands = [Candidate(src, _valid_prefix(np.frombuffer(raw, dtype="<u4").astype(np.int64), self.vocab_size))
                  for src, raw in extra.get("drafts", [])]
         prompt = tuple(state.prompt_token_ids or ())
-        drafter = RequestDrafter(cands, self.rule, key=extra["key"],
-                                 prompt_hash=hash(prompt), prompt_len=len(prompt))
+        drafter = RequestDrafter(cands, self.rule, key=extra["key"], prompt_hash=hash(prompt),
+                                 prompt_len=len(prompt), suffix=self.suffix, prompt_tokens=prompt)
         self.drafters[req_id] = drafter
         return drafter
 

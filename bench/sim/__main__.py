@@ -52,13 +52,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-sigma", type=float, default=0.6,
                    help="log-space spread of a sample (and a draft) around its prompt's scale")
     p.add_argument("--accept-future", type=float, default=0.7, help="per-token acceptance of future drafts")
+    p.add_argument("--accept-history", type=float, default=AcceptanceModel.history,
+                   help="per-token acceptance of history drafts (an earlier sample of the prompt)")
     p.add_argument("--accept-suffix", type=float, default=0.0,
-                   help="what-if (no source; workers do not self-draft): per-token acceptance of self-drafts from a "
-                        "request's own text past the end of its draft; 0: off")
+                   help="what-if (no measured or published acceptance for this workload): per-token acceptance of "
+                        "self-drafts from a request's own text past the end of its draft; 0: off")
+    p.add_argument("--draft-rule", choices=("paying", "fixed"), default="paying" if AcceptanceModel.paying else "fixed",
+                   help="draft length: 'paying' drafts the j-th token while acceptance**j exceeds a draft token's cost "
+                        "x the batch's tokens/s (off where it costs more than it saves, deep where a pass is "
+                        "memory-bound); 'fixed': while acceptance**j >= --min-accept-prob (the worker's DraftLength)")
     p.add_argument("--max-draft-tokens", type=int, default=AcceptanceModel.max_draft_tokens,
-                   help="draft tokens per request and pass at most (the worker's DraftLength.max_tokens)")
+                   help="draft tokens per request and pass at most (DraftLength.max_tokens is 8)")
+    p.add_argument("--draft-token-budget", type=int, default=AcceptanceModel.token_budget,
+                   help="draft tokens one pass verifies over the whole batch at most (DraftLength.token_budget)")
     p.add_argument("--min-accept-prob", type=float, default=AcceptanceModel.min_accept_prob,
-                   help="draft the j-th token while acceptance**j stays at or above this (DraftLength.min_accept_prob)")
+                   help="with --draft-rule fixed: draft the j-th token while acceptance**j stays at or above this "
+                        "(DraftLength.min_accept_prob)")
     p.add_argument("--train-seconds", type=float, default=0.0,
                    help="simulated time between steps (reward + training); idle workers draft through it")
     p.add_argument("--seed", type=int, default=0, help="workload seed (lengths, acceptance); every policy sees the same")
@@ -120,8 +129,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     profile = PROFILES[args.profile]
     workload = Workload(lengths=LengthModel(median_tokens=args.median_tokens, max_tokens=args.max_tokens,
                                             prompt_sigma=args.prompt_sigma, sample_sigma=args.sample_sigma))
-    acceptance = replace(AcceptanceModel(), future=args.accept_future, suffix=args.accept_suffix,
-                         max_draft_tokens=args.max_draft_tokens, min_accept_prob=args.min_accept_prob)
+    acceptance = replace(AcceptanceModel(), future=args.accept_future, history=args.accept_history,
+                         suffix=args.accept_suffix, paying=args.draft_rule == "paying",
+                         max_draft_tokens=args.max_draft_tokens, token_budget=args.draft_token_budget,
+                         min_accept_prob=args.min_accept_prob)
     settings = SimSettings(capacity=args.capacity, samples=args.samples, train_seconds=args.train_seconds,
                            tail_requests=max(0, args.tail))
     print(f"profile {profile.name} ({profile.source}); requests/step {args.requests}, {args.samples} samples/prompt, "

@@ -101,6 +101,8 @@ class SimulatedEngine:
         self.draft_tokens = 0  # sum of k over the batch
         self.rate_sum = 0.0  # sum of tokens per pass over the batch
         self.cap = -1
+        self.plan_b = 0  # batch size the members' k were last planned at (the paying rule's bar)
+        self.threshold = 0.0  # the paying rule's bar: a draft token's cost x the batch's tokens/s
         self.version = 0  # bumps on every commit: older scheduled events are stale
         self._heap: list[tuple[float, int, str, int]] = []
         self._seq = itertools.count()
@@ -183,9 +185,12 @@ class SimulatedEngine:
     def commit(self, now: float) -> float | None:
         """Settle the round of changes at ``now``; return when the next member is due (or None)."""
         self.advance(now)
-        cap = self.acceptance.batch_cap(len(self.members))
-        if cap != self.cap:
-            self.cap = cap
+        b = len(self.members)
+        cap = self.acceptance.batch_cap(b)
+        moved = self.acceptance.paying and b and not self.plan_b // 2 <= b <= 2 * self.plan_b
+        if cap != self.cap or moved:  # re-planned when the cap changes or the batch doubles or halves
+            self.cap, self.plan_b = cap, b
+            self.threshold = self._threshold()
             self._rerate(cap)
         for m in self._pending:
             m.started = True
@@ -227,10 +232,10 @@ class SimulatedEngine:
         k, alpha, m.suffix_phase = 0, m.alpha, False
         past = not drafts or m.pos0 >= m.draft_len  # ``drafts`` False: its draft just ran out
         if not m.job and not past:
-            k = self.acceptance.draft_tokens(m.alpha, self.acceptance.batch_cap(len(self.members)))
+            k = self.acceptance.draft_tokens(m.alpha, self.acceptance.batch_cap(len(self.members)), self.threshold)
         elif m.suffix_alpha > 0 and not m.job:
             alpha, m.suffix_phase = m.suffix_alpha, True
-            k = self.acceptance.draft_tokens(alpha, self.acceptance.batch_cap(len(self.members)))
+            k = self.acceptance.draft_tokens(alpha, self.acceptance.batch_cap(len(self.members)), self.threshold)
         m.k = k
         m.max_k = max(m.max_k, k)
         m.rate = 1.0 + expected_accepted(alpha, k) if k else 1.0
@@ -248,13 +253,23 @@ class SimulatedEngine:
                 continue
             pos = m.position(self.passes)
             alpha = m.alpha if pos < m.draft_len else m.suffix_alpha
-            want = self.acceptance.draft_tokens(alpha, cap) if pos < m.draft_len or m.suffix_phase else 0
+            want = self.acceptance.draft_tokens(alpha, cap, self.threshold) if pos < m.draft_len or m.suffix_phase else 0
             if want != m.k:
                 self._close_phase(m)
                 self.draft_tokens -= m.k
                 self.rate_sum -= m.rate
                 m.pos0, m.p0 = pos, self.passes
                 self._start_phase(m, drafts=True)
+
+    def _threshold(self) -> float:
+        """The paying rule's bar for the batch as it is: a draft token's cost times the batch's
+        tokens/s (members not started yet counted at one token per pass)."""
+        b = len(self.members)
+        if not b:
+            return 0.0
+        tokens = self.rate_sum + sum(1 for m in self.members.values() if not m.started)
+        seconds = self.profile.step_seconds(b, self.draft_tokens)
+        return self.profile.per_draft_token_seconds * max(tokens, float(b)) / seconds
 
     def _close_phase(self, m: Member) -> None:
         if not m.k:

@@ -21,7 +21,7 @@ import itertools
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from bubblespec.client.types import (
@@ -41,10 +41,13 @@ from bubblespec.scheduler.core.types import (
     Assign,
     Deliver,
     Disconnect,
+    Ignored,
     LoadPolicy,
     ModelLimits,
     PolicyFailed,
+    PolicyLoadReported,
     PolicyReady,
+    RequestsMoved,
     StartDraft,
     StepFailed,
     StepFinished,
@@ -60,6 +63,27 @@ from bubblespec.bench.sim.workload import AcceptanceModel, SimPrompt, TraceWorkl
 __all__ = ["SimResult", "SimSettings", "SimStalled", "StepStats", "simulate"]
 
 _ENGINE, _LOADED = 0, 1
+_NOTICES = (PolicyReady, PolicyLoadReported, RequestsMoved, Ignored)  # actions that ask the simulated cluster for nothing
+
+
+class _Tokens(Sequence[int]):
+    """The token ids of a simulated completion: a length and no tokens. ``len`` is what the core
+    reads (lengths, token counts); iterating yields nothing, so the scheduler's vocabulary check
+    has no simulated ids to scan (a real completion's ids are checked by the real tests)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def,override]
+        raise TypeError("simulated completions carry a length, not token ids")
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(())
 
 
 class SimStalled(RuntimeError):
@@ -419,12 +443,15 @@ class _Simulation:
             sources = (SourceStats(m.source, round(m.drafted), round(m.accepted)),)
         if m.suffix_drafted > 0:
             sources += (SourceStats("suffix", round(m.suffix_drafted), round(m.suffix_accepted)),)
+        # every pass makes one token plus its accepted drafts: passes = length - accepted, exactly
+        # (the fluid pass count equals it up to rounding, which must not leak into the identity)
+        accepted = sum(x.accepted_tokens for x in sources)
         finish = FinishReason.LENGTH if m.length >= req.sampling.max_tokens else FinishReason.STOP  # type: ignore[attr-defined]
-        # Simulated tokens: ``range`` is a lazy sequence of the right length (the core only
-        # measures it), so 65,536 completions do not hold millions of token ids.
-        return Completion(req.step_id, req.prompt_id, req.sample_index, range(m.length), (), "",  # type: ignore[arg-type,attr-defined]
+        # Simulated tokens: a length without token ids (the core only measures it), so 262,144
+        # completions neither hold nor get scanned token by token (the vocabulary check).
+        return Completion(req.step_id, req.prompt_id, req.sample_index, _Tokens(m.length), (), "",  # type: ignore[arg-type,attr-defined]
                           finish, req.policy_version, wid, self.workload.prompt_tokens,  # type: ignore[attr-defined]
-                          Provenance(m.forward_passes(passes), sources))
+                          Provenance(max(1, m.length - accepted) if sources else m.forward_passes(passes), sources))
 
     # ------------------------------------------------------------ actions --
 
@@ -458,7 +485,7 @@ class _Simulation:
                                  f"{left} requests undelivered")
             elif kind is PolicyFailed:  # simulated loads never fail: a bug, not a scenario
                 raise RuntimeError(f"policy update failed: {a.message}")  # type: ignore[union-attr]
-            elif kind is not PolicyReady:
+            elif kind not in _NOTICES:
                 raise TypeError(f"unexpected action {a!r}")
 
     def _assign(self, a: Assign) -> None:

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from bubblespec.scheduler.core.drafting import paying_draft_tokens
+
 __all__ = ["AcceptanceModel", "LengthModel", "SimPrompt", "TraceWorkload", "Workload", "expected_accepted"]
 
 
@@ -65,15 +67,24 @@ class AcceptanceModel:
     suffix: float = 0.0
     """What-if, off by default (no source): mean per-token acceptance of self-drafts, i.e. suffix
     matching on the request's own text (vLLM's suffix method, SRT) past the end of its draft.
-    The workers do not self-draft; this only asks what self-drafting would need to reach."""
+    No measured or published per-token figure for RL rollouts sets it; this only asks what
+    self-drafting would need to reach."""
     spread: float = 0.5
     """Log-odds standard deviation of a request's acceptance around its source's mean."""
-    max_draft_tokens: int = 8
-    """At most this many draft tokens per request and pass (vLLM ``num_speculative_tokens``)."""
+    max_draft_tokens: int = 32
+    """At most this many draft tokens per request and pass (vLLM ``num_speculative_tokens``).
+    With ``token_budget`` 256, more than 8 only in batches under 32 (deep drafts at the tail,
+    where a pass is memory-bound); the worker's ``DraftLength`` default is 8."""
     token_budget: int = 256
     """Draft tokens one pass may verify over the whole batch (the worker's ``DraftLength``)."""
     min_accept_prob: float = 0.3
-    """Draft the j-th token only while ``alpha**j`` stays at or above this."""
+    """With ``paying`` off: draft the j-th token only while ``alpha**j`` stays at or above this
+    (the worker's ``DraftLength`` rule)."""
+    paying: bool = True
+    """Draft length by cost (``scheduler.core.drafting.paying_draft_tokens``): the j-th token
+    only while ``alpha**j`` exceeds the pass's cost of a draft token times the batch's
+    tokens/s, so drafting turns itself off where it costs more than it saves and goes deep
+    where a pass is memory-bound. Off: the fixed ``min_accept_prob`` rule."""
 
     def __post_init__(self) -> None:
         for name in ("future", "history", "suffix"):
@@ -93,10 +104,13 @@ class AcceptanceModel:
     def batch_cap(self, batch_size: int) -> int:
         return max(0, min(self.max_draft_tokens, self.token_budget // max(1, batch_size)))
 
-    def draft_tokens(self, alpha: float, cap: int) -> int:
-        """Draft tokens per pass for a request with acceptance ``alpha`` under ``cap``."""
+    def draft_tokens(self, alpha: float, cap: int, threshold: float | None = None) -> int:
+        """Draft tokens per pass for a request with acceptance ``alpha`` under ``cap``;
+        ``threshold``: with ``paying``, a draft token's cost times the batch's tokens/s."""
         if cap <= 0 or alpha <= 0:
             return 0
+        if self.paying and threshold is not None:
+            return paying_draft_tokens(alpha, cap, threshold, 1.0)
         if alpha < self.min_accept_prob:
             return 0  # the worker would only probe now and then: ignored here
         return max(1, min(cap, int(math.log(self.min_accept_prob) / math.log(alpha))))

@@ -21,14 +21,17 @@ from typing import TYPE_CHECKING
 from bubblespec.scheduler.core.types import Action, Assign
 
 if TYPE_CHECKING:
-    from bubblespec.scheduler.core.state import RequestState, SchedulerCore, WorkerState
+    from bubblespec.scheduler.core.records import CoreParts as SchedulerCore
+    from bubblespec.scheduler.core.records import RequestState, WorkerState
 
-__all__ = ["Balancer"]
+__all__ = ["Balancer", "StallWatch"]
 
 
 class Balancer:
     def __init__(self, core: SchedulerCore):
         self.core = core
+        self.stalls = StallWatch()
+        """Running requests by stall deadline (the core's ``_rebalance``)."""
 
     def expected(self, req: RequestState) -> float:
         """Predicted tokens ``req`` still has to generate (at least one while it runs)."""
@@ -86,9 +89,56 @@ class Balancer:
             free = sum(room[wid] for wid in mine)
             if free < len(step.shared):
                 continue
-            step.shared = deque(sorted(step.shared, key=lambda k: -self.expected(step.requests[k])))  # stable: groups stay together
+            # sorted is stable: a group's samples stay together
+            step.shared = deque(sorted(step.shared, key=lambda k: -self.expected(step.requests[k])))
             left = len(step.shared)
             for wid in mine:  # what this step takes is not room for the next
                 take = min(room[wid], left)
                 room[wid] -= take
                 left -= take
+
+
+class StallWatch:
+    """Running requests by the time they would count as stalled, so the core's periodic check
+    looks only at those due instead of every running request (O(due) per tick, not O(running)).
+
+    ``started`` is called when a request is handed to a worker; ``due(step, now, stall)`` pops
+    the step's entries whose deadline passed and returns the keys that really did stall (no
+    progress for ``stall`` seconds on the worker that holds them). An entry whose request made
+    progress since is pushed back at its new deadline; one whose request finished or moved is
+    dropped (each assignment has its own entry)."""
+
+    def __init__(self) -> None:
+        self._heaps: dict[str, list[tuple[float, int, str, str, float]]] = {}
+        self._seq = 0
+
+    def started(self, step_id: str, key: str, worker_id: str, at: float, stall: float) -> None:
+        self._seq += 1
+        heapq.heappush(self._heaps.setdefault(step_id, []), (at + stall, self._seq, key, worker_id, at))
+
+    def due(self, step_id: str, requests: dict[str, RequestState], workers: dict[str, WorkerState],
+            now: float, stall: float) -> list[tuple[str, str]]:
+        """(worker id, key) of the step's requests running on one of ``workers`` that made no
+        progress for more than ``stall`` seconds, in deadline order."""
+        heap = self._heaps.get(step_id)
+        out: list[tuple[str, str]] = []
+        while heap and heap[0][0] < now:
+            _, _, key, wid, at = heapq.heappop(heap)
+            req = requests.get(key)
+            if req is None or req.done or req.worker != wid or req.started_at != at:
+                continue  # finished, moved or assigned again since (a newer entry watches it)
+            w = workers.get(wid)
+            if w is None or key not in w.running:
+                continue
+            last = max(req.progress_at, req.started_at)
+            if now - last > stall:
+                out.append((wid, key))
+            else:
+                self._seq += 1
+                heapq.heappush(heap, (last + stall, self._seq, key, wid, at))
+        return out
+
+    def forget(self, keep: set[str]) -> None:
+        """Drop the entries of steps not in ``keep`` (finished or trimmed steps)."""
+        for sid in [s for s in self._heaps if s not in keep]:
+            del self._heaps[sid]

@@ -10,8 +10,7 @@ requests, and to the step's policy version). Pure: no I/O.
 from __future__ import annotations
 
 from bubblespec.client.types import Completion
-from bubblespec.scheduler.core.state import request_key
-from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits, StepSpec
+from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits, StepSpec, request_key
 
 __all__ = ["check_completion", "check_replayed"]
 

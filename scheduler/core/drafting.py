@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -20,12 +21,38 @@ from dataclasses import dataclass, field, replace
 from bubblespec.client.types import SamplingParams
 from bubblespec.scheduler.core.types import InvalidRequest
 
-__all__ = ["DRAFT_SEEDS", "DraftPlanner", "Upcoming", "draft_seed", "job_sampling"]
+__all__ = ["DRAFT_SEEDS", "DraftPlanner", "Upcoming", "draft_seed", "job_sampling", "paying_draft_tokens"]
 
 DRAFT_SEEDS = (3 * 2**61, 2**63)
 """Draft jobs' seeds: [3·2**61, 2**63). A request's seed is below 2**62 + n (validation
 caps ``sampling.seed`` at 2**62, sample i adds i), so no draft ever shares a request's seed,
 and with it the random stream that verifies the draft (docs/EXACTNESS.md)."""
+
+
+def paying_draft_tokens(accept: float, most: int, per_draft_token_seconds: float, tokens_per_second: float) -> int:
+    """Draft tokens worth proposing for one request of a batch (0: drafting off for it).
+
+    A pass over the batch makes ``N`` tokens in ``T`` seconds (``tokens_per_second`` = N / T).
+    Proposing one more draft token, the j-th of a request whose per-token acceptance is
+    ``accept``, adds ``accept**j`` expected tokens to the pass and ``per_draft_token_seconds``
+    to its time; the batch's throughput rises iff ``accept**j / per_draft_token_seconds > N / T``,
+    i.e. ``accept**j > per_draft_token_seconds * tokens_per_second``. So: the largest ``k <= most``
+    with ``accept**k`` above that threshold. Where a pass is memory-bound (small batch, a cheap
+    draft token) the threshold is tiny and deep drafts pay; in a large, busy batch where a draft
+    token costs as much as it is expected to save, it proposes 0 and the batch decodes as if it
+    did not speculate. Pure: a worker calls it with its measured cost per draft token
+    (``bubblespec calibrate``) and its current tokens/s; the simulator's engines do the same."""
+    if most <= 0 or accept <= 0:
+        return 0
+    threshold = per_draft_token_seconds * tokens_per_second
+    if threshold <= 0:
+        return most
+    if accept >= 1:
+        return most if threshold < 1 else 0
+    if accept <= threshold:
+        return 0
+    k = math.floor(math.log(threshold) / math.log(accept) - 1e-9)  # accept**k > threshold
+    return max(0, min(most, k))
 
 
 def draft_seed(rng: random.Random) -> int:

@@ -26,10 +26,10 @@ from collections import deque
 from dataclasses import replace
 from typing import TYPE_CHECKING, Literal
 
-from bubblespec.scheduler.core.types import Abort, Action, InvalidRequest
+from bubblespec.scheduler.core.types import Abort, Action, ErrorCode, InvalidRequest, RequestsMoved
 
 if TYPE_CHECKING:
-    from bubblespec.scheduler.core.state import SchedulerCore, StepState
+    from bubblespec.scheduler.core.records import CoreParts, StepState
 
 __all__ = ["PAUSE_MODES", "PauseMode", "Pauser"]
 
@@ -40,7 +40,7 @@ PAUSE_MODES: tuple[str, ...] = ("abort", "wait", "keep")
 class Pauser:
     """Whether dispatch is paused, and which steps a ``keep`` pause holds."""
 
-    def __init__(self, core: SchedulerCore):
+    def __init__(self, core: CoreParts):
         self.core = core
         self.paused = False
         self.mode: str = ""
@@ -57,7 +57,7 @@ class Pauser:
         """Refuse a new step while paused."""
         if self.paused:
             raise InvalidRequest("step_id", f"the scheduler is paused (mode {self.mode}); new steps are refused "
-                                 "until POST /resume", "UNAVAILABLE")
+                                 "until POST /resume", ErrorCode.UNAVAILABLE)
 
     def waiting(self) -> list[str]:
         """Active steps a ``wait`` pause waits for: every active step not held."""
@@ -118,11 +118,13 @@ class Pauser:
             req.worker = None  # not a failed attempt: nothing is counted
             back.append(key)
         step.requeued += len(back)
+        if back:
+            actions.append(RequestsMoved(sid, tuple(back), requeued=True))
         for w in core.workers.values():
             mine = [k for k in w.private if k.split("/", 1)[0] == sid]
             if mine:
                 w.private = deque(k for k in w.private if k.split("/", 1)[0] != sid)
                 back += mine
-            core._set_state(w, now)
+            core.timing.set_state(w, now)
         step.shared.extendleft(reversed(back))
         return actions

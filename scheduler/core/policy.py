@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Container
 from dataclasses import dataclass, field
 
-from bubblespec.scheduler.core.types import PolicyFailed, PolicyReady
+from bubblespec.scheduler.core.types import ErrorCode, PolicyFailed, PolicyReady
 
 __all__ = ["PolicyBarrier"]
 
@@ -38,9 +38,9 @@ class PolicyBarrier:
         if loaded and not failed:
             return PolicyReady(self.version, len(loaded))
         if not failed:
-            return PolicyFailed(self.version, "UNAVAILABLE", "workers", f"no live worker is left to load version "
+            return PolicyFailed(self.version, ErrorCode.UNAVAILABLE, "workers", f"no live worker is left to load version "
                                 f"{self.version}; the cluster stays at version {current}")
         reasons = "; ".join(f"worker {wid}: {why}" for wid, why in sorted(failed.items()))
-        return PolicyFailed(self.version, "FAILED_PRECONDITION", "weights_path",
+        return PolicyFailed(self.version, ErrorCode.FAILED_PRECONDITION, "weights_path",
                             f"version {self.version} did not load on {len(failed)} of {len(failed) + len(loaded)} "
                             f"live worker(s); the cluster stays at version {current}: {reasons}")

@@ -1,8 +1,10 @@
 """The scheduler's decision logic: a pure state machine (no I/O, no asyncio, clock injected).
 
-Events in (``add_worker``, ``submit_step``, ``on_completion``, ``tick``, ...), actions out
-(``Assign``, ``Deliver``, ``LoadPolicy``, ...). The gRPC shell, the tests and the cluster
-simulator all drive this same class.
+Worker events in (``handle`` with ``core/events.py``; or the ``on_*`` methods it calls),
+trainer calls in (``submit_step``, ``update_policy``, ...), ``tick``; actions out (``Assign``,
+``Deliver``, ``LoadPolicy``, ``RequestsMoved``, ...). The gRPC shell, the tests and the
+cluster simulator all drive this same class; the shell reads it only through its views
+(``stats``, ``step``, ``worker``: ``core/view.py``).
 
 Dispatch: every worker has a private queue (filled up front by the ``static`` policy) and
 every step a shared queue (``queue`` and ``longest-first``). A worker takes from its private
@@ -14,23 +16,62 @@ straggler, goes to the step's shared queue. A worker with nothing left to take d
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import statistics
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from bubblespec.client.types import LOGPROBS_MODES, Completion, Provenance, SamplingParams, SchedulingPolicy, StepSummary
 from bubblespec.scheduler.core.balance import Balancer
+from bubblespec.scheduler.core.checks import check_completion
 from bubblespec.scheduler.core.drafting import DraftPlanner, draft_seed, job_sampling
+from bubblespec.scheduler.core.events import (
+    Aborted,
+    Completed,
+    DraftResult,
+    Heartbeat,
+    PolicyLoaded,
+    Progress,
+    WorkerEvent,
+    WorkerJoined,
+    WorkerLeft,
+    WorkerSeen,
+)
+from bubblespec.scheduler.core.history import LengthHistory
 from bubblespec.scheduler.core.pause import Pauser
 from bubblespec.scheduler.core.policy import PolicyBarrier
+from bubblespec.scheduler.core.records import RequestState, StepState, WorkerState
+from bubblespec.scheduler.core.timing import TimeAccounting
 from bubblespec.scheduler.core.types import (
-    Abort, Action, Assign, Deliver, Disconnect, DraftJobSpec, InvalidRequest, LoadPolicy, ModelLimits,
-    PolicyReady, RequestSpec, StartDraft, StepFailed, StepFinished, StepSpec, StopDraft, Timeline, WorkerHello,
+    Abort,
+    Action,
+    Assign,
+    Deliver,
+    Disconnect,
+    DraftJobSpec,
+    ErrorCode,
+    Ignored,
+    InvalidRequest,
+    LoadPolicy,
+    ModelLimits,
+    PolicyLoadReported,
+    PolicyReady,
+    RequestsMoved,
+    RequestSpec,
+    StartDraft,
+    StepFailed,
+    StepFinished,
+    StepSpec,
+    StopDraft,
+    WorkerHello,
+    request_key,
+    step_of,
 )
+from bubblespec.scheduler.core.view import CoreView, StepView, step_view
 
-__all__ = ["CoreSettings", "SchedulerCore"]
+__all__ = ["CoreSettings", "RequestState", "SchedulerCore", "StepState", "WorkerState", "request_key"]
 
 
 @dataclass(frozen=True)
@@ -78,64 +119,18 @@ class CoreSettings:
     request that breaks every worker (or its stream) would go round them forever."""
 
 
-@dataclass
-class WorkerState:
-    hello: WorkerHello
-    version: int
-    joined_at: float
-    last_seen: float
-    loading: int | None = None
-    load_failed: int | None = None
-    running: set[str] = field(default_factory=set)
-    private: deque[str] = field(default_factory=deque)
-    drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # job id -> prompt
-    stopping: dict[str, tuple[int, ...]] = field(default_factory=dict)  # stopped, result pending
-    tokens_per_second: float = 0.0
-    busy_tokens_per_second: float = 0.0  # last rate reported while it had work (idle rates say nothing)
-    state: str = "idle"
-    state_since: float = 0.0
-    timeline: Timeline = field(default_factory=Timeline)
+class SchedulerCore(CoreView):
+    """The scheduling state machine: worker events in (``handle``), trainer calls in
+    (``submit_step``, ``update_policy``, ``announce``, ``cancel_step``, ``pause``), periodic
+    ``tick``; actions out (``core/types.py``). Owns every acceptance rule: whether a worker's
+    event is taken is decided here, never in the shell. The shell reads its state only through
+    the read-only view (``stats``, ``step``, ``worker`` and the properties under "views").
 
-    @property
-    def capacity(self) -> int:
-        return self.hello.capacity
+    Collaborators, by composition: ``DraftPlanner`` (announced prompts), ``LengthHistory``
+    (predicted response lengths), ``TimeAccounting`` (busy / idle / drafting seconds),
+    ``Pauser`` (``/pause``), ``Balancer`` (who takes queued work), ``PolicyBarrier`` (an update
+    in progress)."""
 
-
-@dataclass
-class RequestState:
-    spec: RequestSpec
-    worker: str | None = None
-    started_at: float = 0.0
-    progress: int = 0
-    progress_at: float = 0.0
-    done: bool = False
-    moved_from: str | None = None  # the worker it was moved off: it goes back there only if no one else can run it
-    failures: list[tuple[str, str]] = field(default_factory=list)  # failed attempts: (worker id, reason)
-
-
-@dataclass
-class StepState:
-    spec: StepSpec
-    requests: dict[str, RequestState]
-    shared: deque[str]
-    started_at: float
-    completions: dict[str, Completion] = field(default_factory=dict)
-    finished_at: float | None = None
-    cancelled: bool = False
-    moved: int = 0
-    requeued: int = 0
-    busy: float = 0.0
-    idle: float = 0.0
-    drafting: float = 0.0
-    summary: StepSummary | None = None
-    failure: StepFailed | None = None  # set when the step ended in failure (no summary then)
-
-    @property
-    def active(self) -> bool:
-        return self.finished_at is None
-
-
-class SchedulerCore:
     def __init__(self, settings: CoreSettings = CoreSettings(), clock: Callable[[], float] = lambda: 0.0,
                  rng: random.Random | None = None):
         """``rng``: where draft jobs' seeds come from (``drafting.draft_seed``); a fresh
@@ -149,8 +144,8 @@ class SchedulerCore:
         self.weights_path = ""
         self.limits: ModelLimits | None = None
         self.planner = DraftPlanner()
-        self.lengths: dict[int, float] = {}  # _length_key(prompt) -> running mean of response lengths
-        self.length_ratio = 0.0  # running mean of response length / prompt length, for unseen prompts
+        self.history = LengthHistory(settings.max_length_history)  # predicted response lengths (core/history.py)
+        self.timing = TimeAccounting(settings.timeline_segments, self._current_step)  # core/timing.py
         self._barrier: PolicyBarrier | None = None  # the update in progress; ``version`` moves when it succeeds
         self._loading: set[str] = set()  # workers the barrier still waits for
         self._jobs = itertools.count()
@@ -163,19 +158,20 @@ class SchedulerCore:
     def add_worker(self, hello: WorkerHello) -> list[Action]:
         now = self.clock()
         if hello.worker_id in self.workers:
-            raise InvalidRequest("hello.worker_id", f"worker {hello.worker_id!r} is already connected", "ALREADY_EXISTS")
+            raise InvalidRequest("hello.worker_id", f"worker {hello.worker_id!r} is already connected", ErrorCode.ALREADY_EXISTS)
         if hello.capacity < 1:
             raise InvalidRequest("hello.capacity", f"must be >= 1, got {hello.capacity}")
         if hello.logprobs_mode not in LOGPROBS_MODES:
             raise InvalidRequest("hello.logprobs_mode", f"must be one of {', '.join(LOGPROBS_MODES)}, "
                                  f"got {hello.logprobs_mode!r:.40}")
         if self.limits is not None and hello.limits != self.limits:
-            raise InvalidRequest("hello", f"model limits {hello.limits} differ from the cluster's {self.limits}", "FAILED_PRECONDITION")
+            raise InvalidRequest("hello", f"model limits {hello.limits} differ from the cluster's {self.limits}",
+                                 ErrorCode.FAILED_PRECONDITION)
         fresh = not self.weights_path and not self.workers and not self.steps
         version = hello.policy_version if fresh else self.version  # a fresh scheduler adopts it
         if hello.policy_version != version and not self.weights_path and self._barrier is None:
             raise InvalidRequest("hello.policy_version", f"worker has version {hello.policy_version}; the cluster "
-                                 f"runs {version} and has no weights path to send", "FAILED_PRECONDITION")
+                                 f"runs {version} and has no weights path to send", ErrorCode.FAILED_PRECONDITION)
         # every check passed: only now change state
         self.limits, self.version = hello.limits, version
         w = WorkerState(hello, hello.policy_version, now, now, state_since=now)
@@ -188,7 +184,7 @@ class SchedulerCore:
         elif w.version != self.version:
             w.loading = self.version
             actions.append(LoadPolicy(w.hello.worker_id, self.version, self.weights_path))
-        self._set_state(w, now)
+        self.timing.set_state(w, now)
         return actions + self._fill(w)
 
     def remove_worker(self, worker_id: str, reason: str = "the worker left") -> list[Action]:
@@ -200,7 +196,7 @@ class SchedulerCore:
             return []
         self._loading.discard(worker_id)
         now = self.clock()
-        self._close_state(w, now)
+        self.timing.close(w, now)
         actions: list[Action] = []
         for key in list(w.running):
             step, req = self._unfinished(key)
@@ -212,6 +208,7 @@ class SchedulerCore:
                 req.worker = None
                 step.shared.appendleft(key)
                 step.requeued += 1
+                actions.append(RequestsMoved(step.spec.step_id, (key,), requeued=True))
         for prompt in (*w.drafts.values(), *w.stopping.values()):
             self.planner.done(prompt, complete=False)
         return actions + self._check_barrier() + self._fill_all()
@@ -232,9 +229,12 @@ class SchedulerCore:
             return self._fail_step(step, req)
         step.shared.appendleft(req.spec.key)
         step.requeued += 1
-        return []
+        return [RequestsMoved(step.spec.step_id, (req.spec.key,), requeued=True)]
 
     def heartbeat(self, worker_id: str, tokens_per_second: float) -> None:
+        """The worker's throughput (finite, >= 0, else ``InvalidRequest`` and no change)."""
+        if not math.isfinite(tokens_per_second) or tokens_per_second < 0:
+            raise InvalidRequest("heartbeat.tokens_per_second", f"must be a finite number >= 0, got {tokens_per_second}")
         w = self.workers.get(worker_id)
         if w is not None:
             w.last_seen = self.clock()
@@ -250,34 +250,36 @@ class SchedulerCore:
 
     # ---------------------------------------------------------------- steps --
 
-    def check_step(self, spec: StepSpec) -> StepState | None:
-        """Refuse a step that conflicts with state; return the existing one on resume."""
+    def check_step(self, spec: StepSpec) -> StepView | None:
+        """Refuse a step that conflicts with state; on resume, the existing one (with its
+        delivered completions)."""
         existing = self.steps.get(spec.step_id)
         if existing is not None:
             if existing.spec.fingerprint != spec.fingerprint:
-                raise InvalidRequest("step_id", f"step {spec.step_id!r} exists with different content", "ALREADY_EXISTS")
-            return existing
+                raise InvalidRequest("step_id", f"step {spec.step_id!r} exists with different content", ErrorCode.ALREADY_EXISTS)
+            return step_view(existing, completions=True)
         self.pauser.check_new_step()
         if self._barrier is not None:
             raise InvalidRequest("policy_version", f"the update to policy version {self._barrier.version} is still loading; "
-                                 "run the step after UpdatePolicy returns", "FAILED_PRECONDITION")
+                                 "run the step after UpdatePolicy returns", ErrorCode.FAILED_PRECONDITION)
         if spec.policy_version != self.version:
-            raise InvalidRequest("policy_version", f"{spec.policy_version} is not the current policy version {self.version}", "FAILED_PRECONDITION")
+            raise InvalidRequest("policy_version", f"{spec.policy_version} is not the current policy version {self.version}",
+                                 ErrorCode.FAILED_PRECONDITION)
         if self.workers and not any(self.version in (w.version, w.loading) for w in self.workers.values()):
             held = ", ".join(sorted({str(w.version) for w in self.workers.values()}))
             raise InvalidRequest("policy_version", f"no connected worker holds policy version {self.version} (they "
-                                 f"hold {held}, after a failed update); run update_policy again", "FAILED_PRECONDITION")
+                                 f"hold {held}, after a failed update); run update_policy again", ErrorCode.FAILED_PRECONDITION)
         active = sum(1 for s in self.steps.values() if s.active)
         if active >= self.settings.max_active_steps:
             raise InvalidRequest("step_id", f"the scheduler already runs {active} steps, its limit (max_active_steps); "
-                                 "wait for one to finish or cancel it", "RESOURCE_EXHAUSTED")
+                                 "wait for one to finish or cancel it", ErrorCode.RESOURCE_EXHAUSTED)
         self.planner.check_room(spec.lookahead, self.settings.max_announced_prompts, "lookahead",
                                 leaving=[p.token_ids for p in spec.prompts])
         modes = {w.hello.logprobs_mode for w in self.workers.values()}
         if modes and spec.sampling.logprobs_mode and spec.sampling.logprobs_mode not in modes:
             raise InvalidRequest("sampling.logprobs_mode", f"no connected worker returns {spec.sampling.logprobs_mode!r} "
                                  f"logprobs (they return {', '.join(sorted(modes))}; EngineSettings.logprobs_mode)",
-                                 "FAILED_PRECONDITION")
+                                 ErrorCode.FAILED_PRECONDITION)
         return None
 
     def submit_step(self, spec: StepSpec, done: Mapping[str, Completion] | None = None) -> list[Action]:
@@ -286,7 +288,7 @@ class SchedulerCore:
         if self.check_step(spec) is not None:
             return []  # resume: nothing new to schedule
         now = self.clock()
-        self._flush_time(now)
+        self.timing.flush(self.workers.values(), now)
         reqs = {r.key: RequestState(r) for r in _expand(spec)}
         step = StepState(spec, reqs, deque(), now)
         for key, completion in (done or {}).items():
@@ -295,7 +297,7 @@ class SchedulerCore:
                 step.completions[key] = completion
         order = [k for k in reqs if not reqs[k].done]
         if spec.policy is SchedulingPolicy.LONGEST_FIRST:
-            order.sort(key=lambda k: -self._predicted(reqs[k].spec.prompt_token_ids))
+            order.sort(key=lambda k: -self.history.predicted(reqs[k].spec.prompt_token_ids))
         self.steps[spec.step_id] = step
         self._drafts_wanted = spec.use_drafts
         live = [w for w in self.workers.values() if w.load_failed is None
@@ -308,7 +310,7 @@ class SchedulerCore:
         for p in spec.prompts:
             self.planner.forget(p.token_ids)
         for ids in spec.lookahead:
-            self.planner.announce(ids, spec.sampling, "", self._predicted(ids))
+            self.planner.announce(ids, spec.sampling, "", self.history.predicted(ids))
         self._trim_steps()
         if len(step.completions) == len(reqs):
             return self._finish(step)
@@ -317,19 +319,18 @@ class SchedulerCore:
     def announce(self, prompts: list[tuple[int, ...]], sampling: SamplingParams) -> int:
         self.planner.check_room(prompts, self.settings.max_announced_prompts, "prompts")
         for ids in prompts:
-            self.planner.announce(ids, sampling, "", self._predicted(ids))
+            self.planner.announce(ids, sampling, "", self.history.predicted(ids))
         return len(prompts)
 
     def forget_history(self) -> None:
         """Drop length history and announced prompts (benchmarks compare arms from scratch)."""
-        self.lengths.clear()
-        self.length_ratio = 0.0
+        self.history.clear()
         self.planner = DraftPlanner()
 
     def cancel_step(self, step_id: str) -> list[Action]:
         step = self.steps.get(step_id)
         if step is None:
-            raise InvalidRequest("step_id", f"no step {step_id!r}", "NOT_FOUND")
+            raise InvalidRequest("step_id", f"no step {step_id!r}", ErrorCode.NOT_FOUND)
         if not step.active:
             return []
         step.cancelled = True
@@ -359,63 +360,88 @@ class SchedulerCore:
             f"(workers: {workers:.200}); the step is abandoned. Last error: {req.failures[-1][1]:.200}")
         actions = self._drop_work(step)
         now = self.clock()
-        self._flush_time(now)
+        self.timing.flush(self.workers.values(), now)
         step.finished_at = now
         return [*actions, step.failure]
 
     # ------------------------------------------------------------- progress --
 
-    def on_progress(self, worker_id: str, key: str, tokens: int) -> None:
-        req = self._owned(worker_id, key)
-        if req is not None and tokens > req.progress:
-            req.progress, req.progress_at = tokens, self.clock()
+    def handle(self, event: WorkerEvent) -> list[Action]:
+        """The one entry point for worker events (``core/events.py``). Any event but a join or
+        a leave proves the worker alive. Raises ``InvalidRequest`` (naming the field, nothing
+        changed) for an event that breaks the protocol; a stale one comes back ``Ignored``."""
+        match event:
+            case WorkerJoined(hello):
+                return self.add_worker(hello)
+            case WorkerLeft(worker_id, reason):
+                return self.remove_worker(worker_id, reason)
+            case Heartbeat(worker_id, tps):
+                self.heartbeat(worker_id, tps)
+                return []
+        self.touch(event.worker_id)
+        match event:
+            case Progress(worker_id, key, tokens):
+                return self.on_progress(worker_id, key, tokens)
+            case Completed(worker_id, key, completion):
+                return self.on_completion(worker_id, key, completion)
+            case Aborted(worker_id, key, reason):
+                return self.on_aborted(worker_id, key, reason)
+            case DraftResult(worker_id, job_id, tokens, finished):
+                return self.on_draft_result(worker_id, job_id, tokens, finished)
+            case PolicyLoaded(worker_id, version, ok, error, weights_unknown, seconds):
+                return self.on_policy_loaded(worker_id, version, ok, error, weights_unknown, seconds)
+            case WorkerSeen():
+                return []
+        raise InvalidRequest("kind", f"unexpected worker event {type(event).__name__}")
 
-    def on_completion(self, worker_id: str, key: str, completion: Completion) -> list[Action]:
-        """Accept a completion once, from the worker that holds the request; else ignore."""
+    def on_progress(self, worker_id: str, key: str, tokens: int) -> list[Action]:
+        """Request ``key`` generated ``tokens`` tokens so far (the stall watch's clock)."""
         req = self._owned(worker_id, key)
         if req is None:
-            return []
+            return [_not_running(worker_id, "progress", key)]
+        if tokens > req.progress:
+            req.progress, req.progress_at = tokens, self.clock()
+        return []
+
+    def on_completion(self, worker_id: str, key: str, completion: Completion) -> list[Action]:
+        """Accept a completion once, from the worker that holds the request (stamped with that
+        worker's id, whatever it claims); a stale one comes back ``Ignored``. One that names
+        another request or leaves the vocabulary raises ``InvalidRequest`` (nothing changes:
+        the request runs on, and times out if the worker never sends a good one); one made
+        with another policy version than asked is a failed attempt (``on_aborted``)."""
+        req = self._owned(worker_id, key)
+        if req is None:
+            return [_not_running(worker_id, "completion", key)]
+        completion = check_completion(replace(completion, worker_id=worker_id), key, self.limits)
+        wanted = req.spec.policy_version
+        if completion.policy_version != wanted:  # made with other weights than asked
+            wrong = f"completion from policy version {completion.policy_version}, not {wanted}"
+            return [Ignored(worker_id, "completion.policy_version", f"{key!r:.80} is from policy version "
+                            f"{completion.policy_version}, the request asked for {wanted}; running it again"),
+                    *self.on_aborted(worker_id, key, wrong)]
         step = self.steps[req.spec.step_id]
         w = self.workers[worker_id]
         w.last_seen = self.clock()
         w.running.discard(key)
-        if completion.policy_version != step.spec.policy_version:
-            req.worker = None
-            step.shared.appendleft(key)
-            step.requeued += 1
-            return self._fill(w)
         req.done = True
         step.completions[key] = completion
-        self._record_length(req.spec.prompt_token_ids, len(completion.token_ids))
+        self.history.record(req.spec.prompt_token_ids, len(completion.token_ids))
         actions: list[Action] = [Deliver(step.spec.step_id, completion)]
         if len(step.completions) == len(step.requests):
             actions += self._finish(step)
         actions += self._fill(w)
         return actions
 
-    def _record_length(self, prompt: tuple[int, ...], length: int) -> None:
-        key = _length_key(prompt)
-        previous = self.lengths.pop(key, float(length))  # re-insert: dicts keep insertion order
-        self.lengths[key] = 0.5 * previous + 0.5 * length
-        if len(self.lengths) > self.settings.max_length_history:
-            del self.lengths[next(iter(self.lengths))]
-        ratio = length / max(1, len(prompt))
-        self.length_ratio = ratio if not self.length_ratio else 0.95 * self.length_ratio + 0.05 * ratio
-
     def _predicted(self, prompt: tuple[int, ...]) -> float:
-        """Expected response length: the prompt's own history, else (a prompt never seen) its
-        length times the running response/prompt length ratio. The fallback only orders
-        unseen prompts by length, which predicts response length on many tasks (a longer
-        problem statement, a longer solution) and costs nothing where it does not."""
-        known = self.lengths.get(_length_key(prompt))
-        return known if known is not None else self.length_ratio * len(prompt)
+        """Expected response length of ``prompt`` (``LengthHistory.predicted``)."""
+        return self.history.predicted(prompt)
 
     def on_aborted(self, worker_id: str, key: str, reason: str = "") -> list[Action]:
         """The worker could not run the request (a failed attempt): give it to someone else,
         or fail the step after ``max_attempts``."""
         req = self._owned(worker_id, key)
         if req is None:
-            return []
+            return [_not_running(worker_id, "aborted", key)]
         step = self.steps[req.spec.step_id]
         self.workers[worker_id].running.discard(key)
         return self._take_back(step, req, worker_id, f"aborted by the worker: {reason or 'no reason given'}") \
@@ -429,7 +455,7 @@ class SchedulerCore:
             return []
         prompt = w.drafts.pop(job_id, None) or w.stopping.pop(job_id)
         self.planner.done(prompt, complete=finished and tokens > 0)
-        self._set_state(w, self.clock())
+        self.timing.set_state(w, self.clock())
         return self._fill(w)
 
     # --------------------------------------------------------------- policy --
@@ -446,12 +472,13 @@ class SchedulerCore:
         if repeat is not None:
             return repeat
         if version <= self.version:
-            raise InvalidRequest("version", f"must be greater than the current version {self.version}, got {version}", "FAILED_PRECONDITION")
+            raise InvalidRequest("version", f"must be greater than the current version {self.version}, got {version}",
+                                 ErrorCode.FAILED_PRECONDITION)
         running = self.pauser.waiting()  # a step held by a keep-pause moves to the new version (pause.rebase)
         if running:
-            raise InvalidRequest("version", f"step {running[0]!r} is still running", "FAILED_PRECONDITION")
+            raise InvalidRequest("version", f"step {running[0]!r} is still running", ErrorCode.FAILED_PRECONDITION)
         if not self.workers:
-            raise InvalidRequest("workers", f"no live worker to load version {version}", "UNAVAILABLE")
+            raise InvalidRequest("workers", f"no live worker to load version {version}", ErrorCode.UNAVAILABLE)
         self._barrier = PolicyBarrier(version, weights_path)
         self._loading = set(self.workers)
         actions: list[Action] = []
@@ -459,7 +486,7 @@ class SchedulerCore:
             actions += self._stop_drafts(w)
             w.loading, w.load_failed = version, None
             actions.append(LoadPolicy(w.hello.worker_id, version, weights_path))
-            self._set_state(w, self.clock())
+            self.timing.set_state(w, self.clock())
         return actions
 
     def _repeated_update(self, version: int, weights_path: str) -> list[Action] | None:
@@ -467,24 +494,28 @@ class SchedulerCore:
         b = self._barrier
         if b is not None:
             if version != b.version:
-                raise InvalidRequest("version", f"the update to version {b.version} is still loading", "FAILED_PRECONDITION")
+                raise InvalidRequest("version", f"the update to version {b.version} is still loading",
+                                     ErrorCode.FAILED_PRECONDITION)
             if weights_path != b.weights_path:
-                raise InvalidRequest("weights_path", f"version {version} is loading from another weights_path", "ALREADY_EXISTS")
+                raise InvalidRequest("weights_path", f"version {version} is loading from another weights_path",
+                                     ErrorCode.ALREADY_EXISTS)
             return []
         if version == self.version and self.weights_path:
             if weights_path != self.weights_path:
-                raise InvalidRequest("weights_path", f"version {version} is set with another weights_path", "ALREADY_EXISTS")
+                raise InvalidRequest("weights_path", f"version {version} is set with another weights_path",
+                                     ErrorCode.ALREADY_EXISTS)
             return [PolicyReady(version, sum(1 for w in self.workers.values() if w.version == version))]
         return None
 
     def on_policy_loaded(self, worker_id: str, version: int, ok: bool, error: str = "",
-                         weights_unknown: bool = False) -> list[Action]:
-        """A worker answered ``LoadPolicy``. A failed worker gets no work until the barrier
-        ends; ``weights_unknown``: its load failed after its weights changed, so it serves no
-        version (-1) until a later load succeeds."""
+                         weights_unknown: bool = False, seconds: float = 0.0) -> list[Action]:
+        """A worker answered ``LoadPolicy`` (``PolicyLoadReported`` first). A failed worker gets
+        no work until the barrier ends; ``weights_unknown``: its load failed after its weights
+        changed, so it serves no version (-1) until a later load succeeds. An answer nobody
+        asked for changes nothing (``Ignored``)."""
         w = self.workers.get(worker_id)
         if w is None or w.loading != version:
-            return []
+            return [Ignored(worker_id, "policy_loaded.version", f"{version} was not asked of it")]
         w.loading = None
         b = self._barrier
         counted = b is not None and b.version == version and worker_id in self._loading
@@ -496,8 +527,8 @@ class SchedulerCore:
         else:
             w.load_failed = version
             w.version = -1 if weights_unknown else w.version
-        self._set_state(w, self.clock())
-        return self._check_barrier() + self._fill(w)
+        self.timing.set_state(w, self.clock())
+        return [PolicyLoadReported(worker_id, version, ok, error, seconds), *self._check_barrier(), *self._fill(w)]
 
     def _check_barrier(self) -> list[Action]:
         """Once every live worker answered: ``PolicyReady`` if all of them loaded the version,
@@ -550,20 +581,21 @@ class SchedulerCore:
                 for key in mine:
                     step.requests[key].moved_from = w.hello.worker_id
                 moved += mine
-            for key in list(w.running):
-                req = step.requests.get(key)
-                if req and now - max(req.progress_at, req.started_at) > self.settings.stall_seconds:
-                    w.running.discard(key)
-                    actions.append(Abort(w.hello.worker_id, key))
-                    req.worker, req.moved_from = None, w.hello.worker_id
-                    req.failures.append((w.hello.worker_id, f"no progress for {self.settings.stall_seconds:g}s"))
-                    if len(req.failures) >= self.settings.max_attempts:  # a stall is a failed attempt
-                        return actions + self._fail_step(step, req) + self._fill_all()
-                    moved.append(key)
+        stall = self.settings.stall_seconds
+        self.balancer.stalls.forget({s.spec.step_id for s in self.steps.values() if s.active})
+        for wid, key in self.balancer.stalls.due(step.spec.step_id, step.requests, self.workers, now, stall):
+            req, w = step.requests[key], self.workers[wid]  # only those due: not every running request each tick
+            w.running.discard(key)
+            actions.append(Abort(wid, key))
+            req.worker, req.moved_from = None, wid
+            req.failures.append((wid, f"no progress for {stall:g}s"))
+            if len(req.failures) >= self.settings.max_attempts:  # a stall is a failed attempt
+                return actions + self._fail_step(step, req) + self._fill_all()
+            moved.append(key)
         step.shared.extendleft(reversed(moved))
         step.moved += len(moved)
         if moved:
-            actions += self._fill_all()
+            actions += [RequestsMoved(step.spec.step_id, tuple(moved)), *self._fill_all()]
         return actions
 
     # ------------------------------------------------------------- dispatch --
@@ -598,10 +630,11 @@ class SchedulerCore:
             req = step.requests[key]
             req.worker, req.started_at, req.progress, req.progress_at = w.hello.worker_id, now, 0, now
             w.running.add(key)
+            self.balancer.stalls.started(step.spec.step_id, key, w.hello.worker_id, now, self.settings.stall_seconds)
             actions.append(Assign(w.hello.worker_id, req.spec))
         if not w.running:
             actions += self._plan_drafts(w)
-        self._set_state(w, now)
+        self.timing.set_state(w, now)
         return actions
 
     def _next_for(self, w: WorkerState) -> str | None:
@@ -670,7 +703,7 @@ class SchedulerCore:
 
     def _finish(self, step: StepState) -> list[Action]:
         now = self.clock()
-        self._flush_time(now)
+        self.timing.flush(self.workers.values(), now)
         step.finished_at = now
         comps = step.completions.values()
         prov = sum((c.provenance for c in comps), Provenance())
@@ -696,33 +729,6 @@ class SchedulerCore:
 
     # ------------------------------------------------------- time accounting --
 
-    def _set_state(self, w: WorkerState, now: float) -> None:
-        state = ("loading" if w.loading is not None else "busy" if w.running
-                 else "drafting" if w.drafts else "idle")
-        if state != w.state:
-            self._close_state(w, now)
-            w.state, w.state_since = state, now
-
-    def _close_state(self, w: WorkerState, now: float) -> None:
-        elapsed = now - w.state_since
-        if elapsed <= 0:
-            return
-        bucket = "busy" if w.state in ("busy", "loading") else w.state
-        setattr(w.timeline, bucket, getattr(w.timeline, bucket) + elapsed)
-        segs = w.timeline.segments
-        segs.append((w.state, w.state_since, now))
-        if len(segs) > self.settings.timeline_segments:
-            del segs[: len(segs) - self.settings.timeline_segments]
-        step = self._current_step()
-        if step is not None:
-            start = max(w.state_since, step.started_at)
-            setattr(step, bucket, getattr(step, bucket) + max(0.0, now - start))
-        w.state_since = now
-
-    def _flush_time(self, now: float) -> None:
-        for w in self.workers.values():
-            self._close_state(w, now)
-
     def _current_step(self) -> StepState | None:
         for step in self.steps.values():
             if step.active:
@@ -736,14 +742,6 @@ class SchedulerCore:
             return None
         return req
 
-    # ---------------------------------------------------------------- views --
-
-    def status(self) -> dict:
-        """A JSON-able snapshot for /status and the UI."""
-        from bubblespec.scheduler.core.status import snapshot
-
-        return snapshot(self)
-
 
 _NOBODY = WorkerState(WorkerHello("", 1, 0, ModelLimits(1, 1)), 0, 0.0, 0.0)
 
@@ -753,20 +751,12 @@ def _serves(w: WorkerState, sampling: SamplingParams) -> bool:
     return sampling.logprobs_mode in ("", w.hello.logprobs_mode)
 
 
-def request_key(step_id: str, prompt_id: str, sample_index: int) -> str:
-    return f"{step_id}/{prompt_id}/{sample_index}"
+def _not_running(worker_id: str, kind: str, key: str) -> Ignored:
+    """A worker event about a request it does not run (stale: moved, cancelled; or forged)."""
+    return Ignored(worker_id, f"{kind}.request_key", f"{key!r:.80} is not running on this worker")
 
 
-def _length_key(prompt: tuple[int, ...]) -> int:
-    """The length history's key for a prompt: its hash, not the prompt itself. Keying by the
-    token tuple kept every completed prompt's tokens alive (a Python int per token, ~1.3 KB for
-    32 tokens, ~40 KB for 1,000) long after its step was trimmed; a hash costs the same for any
-    prompt. Int tuples hash alike in every process; a collision only mixes two predictions."""
-    return hash(prompt)
-
-
-def _step_of(key: str) -> str:
-    return key.split("/", 1)[0]
+_step_of = step_of
 
 
 def _expand(spec: StepSpec) -> list[RequestSpec]:

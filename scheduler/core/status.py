@@ -14,10 +14,12 @@ import json
 import math
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
+
+from bubblespec.scheduler.core.types import WorkerStatus
 
 if TYPE_CHECKING:
-    from bubblespec.scheduler.core.state import SchedulerCore, StepState, WorkerState
+    from bubblespec.scheduler.core.records import CoreParts, StepState, WorkerState
 
 __all__ = ["PendingDocument", "StatusDocument", "StatusEncoder", "snapshot"]
 
@@ -64,12 +66,12 @@ def _step(s: StepState, now: float) -> dict:
     return out
 
 
-def snapshot(core: SchedulerCore) -> dict:
+def snapshot(core: CoreParts) -> dict:
     now = core.clock()
     return _document(core, now, [_worker(w, now) for w in core.workers.values()])
 
 
-def _document(core: SchedulerCore, now: float, workers: list) -> dict:
+def _document(core: CoreParts, now: float, workers: list) -> dict:
     covered, announced = core.planner.coverage()
     return {
         "now": now,
@@ -138,16 +140,16 @@ def _segment_text(seg: tuple) -> str:
     return f"[{_STATES.get(state) or _dumps(state)},{_number(start)},{_number(end)}]"
 
 
-def _number(x) -> str:
-    return repr(x) if type(x) in (int, float) and math.isfinite(x) else _dumps(x)
+def _number(x: object) -> str:
+    return repr(x) if type(x) in (int, float) and math.isfinite(cast(float, x)) else _dumps(x)
 
 
-def _dumps(x) -> str:
+def _dumps(x: object) -> str:
     return json.dumps(x, separators=_COMPACT)
 
 
 _COMPACT = (",", ":")
-_STATES = {s: _dumps(s) for s in ("busy", "idle", "drafting", "loading")}
+_STATES = {s: _dumps(s.value) for s in WorkerStatus}
 
 
 @dataclass(frozen=True)
@@ -172,18 +174,18 @@ class StatusEncoder:
         self._segments: dict[str, _Segments] = {}
         self._last: StatusDocument | None = None
 
-    def fresh(self, core: SchedulerCore) -> StatusDocument | None:
+    def fresh(self, core: CoreParts) -> StatusDocument | None:
         """The document built less than ``max_age_seconds`` ago, if any."""
         last = self._last
         return last if last is not None and 0 <= core.clock() - last.built_at < self.max_age_seconds else None
 
-    def encode(self, core: SchedulerCore, reuse: bool = True) -> StatusDocument:
+    def encode(self, core: CoreParts, reuse: bool = True) -> StatusDocument:
         """The document; ``reuse=False``: built now, even if one is less than max_age old."""
         if reuse and (fresh := self.fresh(core)) is not None:
             return fresh
         return self.finish(self.prepare(core))
 
-    def prepare(self, core: SchedulerCore) -> PendingDocument:
+    def prepare(self, core: CoreParts) -> PendingDocument:
         now = core.clock()
         caches = {wid: self._cache(wid, w) for wid, w in core.workers.items()}
         self._segments = caches  # workers that left are forgotten

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from bubblespec.scheduler.core.policy import PolicyBarrier
-from bubblespec.scheduler.core.types import Action, InvalidRequest
+from bubblespec.scheduler.core.types import Action, ErrorCode, InvalidRequest
 
 if TYPE_CHECKING:
     from bubblespec.scheduler.core.state import SchedulerCore, WorkerState
@@ -69,12 +69,12 @@ class WeightTransfer:
             raise InvalidRequest("init_info", "must be a JSON object")
         if self.updating is not None:
             raise InvalidRequest("init_info", f"the weight update to version {self.updating} is in progress; "
-                                 "finish it first", "FAILED_PRECONDITION")
+                                 "finish it first", ErrorCode.FAILED_PRECONDITION)
         offset = _count(init_info, "rank_offset")
         world = _count(init_info, "world_size")
         workers = sorted(self.core.workers.values(), key=lambda w: w.hello.worker_id)
         if not workers:
-            raise InvalidRequest("workers", "no worker is connected to join the weight-transfer group", "UNAVAILABLE")
+            raise InvalidRequest("workers", "no worker is connected to join the weight-transfer group", ErrorCode.UNAVAILABLE)
         ranks = sum(w.hello.tensor_parallel_size for w in workers)
         if world != offset + ranks:
             raise InvalidRequest("init_info.world_size", f"must be rank_offset {offset} + the ranks of the "
@@ -102,18 +102,18 @@ class WeightTransfer:
         """Refuse when the live workers are not the group frozen at init, naming the odd one."""
         if not self.members:
             raise InvalidRequest("init_info", "no weight-transfer group: call /init_weight_transfer_engine first",
-                                 "FAILED_PRECONDITION")
+                                 ErrorCode.FAILED_PRECONDITION)
         workers = self.core.workers
         for wid, m in sorted(self.members.items()):
             if workers.get(wid) is not self._joined[wid]:
                 why = "left" if wid not in workers else "reconnected"
                 raise InvalidRequest("workers", f"worker {wid} (rank_offset {m.rank_offset}) {why} after "
                                      "init_weight_transfer_engine and may have missed weights; call "
-                                     "/init_weight_transfer_engine again", "FAILED_PRECONDITION")
+                                     "/init_weight_transfer_engine again", ErrorCode.FAILED_PRECONDITION)
         for wid in sorted(set(workers) - set(self.members)):
             raise InvalidRequest("workers", f"worker {wid} joined after init_weight_transfer_engine: it is not in "
                                  "the trainer's group and never gets its weights; call "
-                                 "/init_weight_transfer_engine again", "FAILED_PRECONDITION")
+                                 "/init_weight_transfer_engine again", ErrorCode.FAILED_PRECONDITION)
 
     def plan_update(self, update_info: Any) -> dict[str, Any]:
         """Each member's ``update_info``: the trainer's object, or its slice of a list (vLLM
@@ -133,7 +133,8 @@ class WeightTransfer:
     def check_updating(self, call: str) -> int:
         if self.updating is None:
             raise InvalidRequest("weight_version" if call == "finish" else "update_info",
-                                 "no weight update is in progress: call /start_weight_update first", "FAILED_PRECONDITION")
+                                 "no weight update is in progress: call /start_weight_update first",
+                                 ErrorCode.FAILED_PRECONDITION)
         return self.updating
 
     # ---------------------------------------------------------------- update --
@@ -146,14 +147,14 @@ class WeightTransfer:
         self.check_members()
         if self.updating is not None:
             raise InvalidRequest("weight_version", f"the weight update to version {self.updating} is already in "
-                                 "progress; finish it first", "ALREADY_EXISTS")
+                                 "progress; finish it first", ErrorCode.ALREADY_EXISTS)
         if core._barrier is not None:
             raise InvalidRequest("weight_version", f"the update to policy version {core._barrier.version} is still "
-                                 "loading", "FAILED_PRECONDITION")
+                                 "loading", ErrorCode.FAILED_PRECONDITION)
         running = core.pauser.waiting()
         if running:
             raise InvalidRequest("weight_version", f"step {running[0]!r} is still running: wait for it or "
-                                 "POST /pause?mode=keep first", "FAILED_PRECONDITION")
+                                 "POST /pause?mode=keep first", ErrorCode.FAILED_PRECONDITION)
         version = core.version + 1
         core._barrier = PolicyBarrier(version, f"{TRANSFER_PREFIX}{version}")
         core._loading = set(self.members)
@@ -163,7 +164,7 @@ class WeightTransfer:
             w = core.workers[wid]
             actions += core._stop_drafts(w)
             w.loading, w.load_failed = version, None
-            core._set_state(w, now)
+            core.timing.set_state(w, now)
         self.updating = version
         return version, actions
 

@@ -7,6 +7,7 @@ completion, ...).
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from bubblespec.client.types import Completion, SamplingParams, SchedulingPolicy, StepSummary
@@ -18,27 +19,68 @@ __all__ = [
     "Deliver",
     "Disconnect",
     "DraftJobSpec",
+    "ErrorCode",
+    "Ignored",
     "InvalidRequest",
     "LoadPolicy",
     "ModelLimits",
     "PolicyFailed",
+    "PolicyLoadReported",
     "PolicyReady",
     "PromptSpec",
     "RequestSpec",
+    "RequestsMoved",
     "StartDraft",
     "StepFailed",
     "StepFinished",
     "StepSpec",
     "StopDraft",
     "WorkerHello",
+    "WorkerStatus",
+    "request_key",
+    "step_of",
 ]
+
+
+class ErrorCode(enum.StrEnum):
+    """gRPC status names the core refuses with (``InvalidRequest.code``); each is its name as
+    a string, so ``grpc.StatusCode[code]`` and JSON bodies are unchanged."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    NOT_FOUND = "NOT_FOUND"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    UNAVAILABLE = "UNAVAILABLE"
+    CANCELLED = "CANCELLED"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    INTERNAL = "INTERNAL"
+
+
+class WorkerStatus(enum.StrEnum):
+    """What a worker is doing, as ``/status``, the UI and the timeline segments name it."""
+
+    IDLE = "idle"
+    BUSY = "busy"
+    DRAFTING = "drafting"
+    LOADING = "loading"
+
+
+def request_key(step_id: str, prompt_id: str, sample_index: int) -> str:
+    """The key of one request (one sample of one prompt of one step)."""
+    return f"{step_id}/{prompt_id}/{sample_index}"
+
+
+def step_of(key: str) -> str:
+    """The step id a request key belongs to."""
+    return key.split("/", 1)[0]
 
 
 class InvalidRequest(ValueError):
     """A request the core refuses. ``field`` names the offending field; ``code`` is a gRPC
     status name (INVALID_ARGUMENT, FAILED_PRECONDITION, ALREADY_EXISTS, UNAVAILABLE, ...)."""
 
-    def __init__(self, field: str, message: str, code: str = "INVALID_ARGUMENT"):
+    def __init__(self, field: str, message: str, code: str = ErrorCode.INVALID_ARGUMENT):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.code = code
@@ -195,13 +237,48 @@ class PolicyFailed:
     version. ``code`` is a gRPC status name, ``field`` the request field the message names."""
 
     version: int
-    code: str
+    code: ErrorCode
     field: str
     message: str
 
 
+@dataclass(frozen=True)
+class RequestsMoved:
+    """Requests of ``step_id`` put back on the step's shared queue for another worker. Not
+    ``requeued``: the straggler watch took them off a slow worker or a stalled run (one
+    intervention; the summary's ``requests_moved``). ``requeued``: their worker left, could
+    not run them, was paused off them, or answered with another policy version
+    (``requests_requeued``)."""
+
+    step_id: str
+    keys: tuple[str, ...]
+    requeued: bool = False
+
+
+@dataclass(frozen=True)
+class PolicyLoadReported:
+    """A worker answered the ``LoadPolicy`` it was asked (``seconds``: how long it took);
+    reported before the barrier's outcome, for logs and metrics."""
+
+    worker_id: str
+    version: int
+    ok: bool
+    error: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Ignored:
+    """A worker event the core did not take (stale: the request moved or was cancelled; or
+    forged): ``field`` names what it referred to. Nothing changed; the shell logs it."""
+
+    worker_id: str
+    field: str
+    reason: str
+
+
 Action = (Assign | Abort | LoadPolicy | StartDraft | StopDraft | Deliver | StepFinished | StepFailed | PolicyReady
-          | PolicyFailed | Disconnect)
+          | PolicyFailed | Disconnect | RequestsMoved | PolicyLoadReported | Ignored)
 
 
 @dataclass

@@ -160,7 +160,7 @@ def prompt_tokens(p: Prompt, field: str, model: ModelLimits, tokenize: Tokenize 
 
 
 def _prompts(prompts: Sequence[Prompt], sp: SamplingParams, model: ModelLimits, tokenize: Tokenize | None,
-             limits: Limits):
+             limits: Limits) -> tuple[PromptSpec, ...]:
     seen: set[str] = set()
     out = []
     for i, p in enumerate(prompts):

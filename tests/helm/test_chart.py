@@ -13,7 +13,8 @@ import copy
 import json
 import re
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import pytest
 import yaml
@@ -132,7 +133,8 @@ def test_every_manifest_validates_against_kubernetes(rendered: Rendered) -> None
         try:
             kubernetes_validate.validate(m.obj, K8S_VERSION, strict=True)
         except kubernetes_validate.ValidationError as exc:
-            pytest.fail(f"{m.template}: {m.kind}/{m.name} invalid for Kubernetes {K8S_VERSION}: {exc.message} at {list(exc.path)}")
+            where = f"{m.template}: {m.kind}/{m.name}"
+            pytest.fail(f"{where} invalid for Kubernetes {K8S_VERSION}: {exc.message} at {list(exc.path)}")
 
 
 def test_kubernetes_validation_is_strict(render) -> None:
@@ -631,7 +633,7 @@ def test_comment_check_catches_an_undocumented_key() -> None:
     # The check above must not pass vacuously: feed it a key without a comment.
     text = "# documented\na: 1\nb:\n  # documented\n  c: 2\n"
     lines = text.splitlines()
-    flagged = [l for i, l in enumerate(lines) if KEY_LINE.match(l) and not lines[i - 1].strip().startswith("#")]
+    flagged = [ln for i, ln in enumerate(lines) if KEY_LINE.match(ln) and not lines[i - 1].strip().startswith("#")]
     assert flagged == ["b:"]
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import pytest
 import yaml
@@ -145,7 +146,7 @@ def test_dashboard_promql_parses(dashboard: dict[str, Any]) -> None:
 def test_dashboard_groups_only_by_existing_labels(dashboard: dict[str, Any]) -> None:
     for title, expr in targets(dashboard):
         for labels in re.findall(r"\bby \(([^)]*)\)", expr):
-            for label in (l.strip() for l in labels.split(",")):
+            for label in (part.strip() for part in labels.split(",")):
                 if label in ("le", "namespace"):
                     continue
                 owners = [m for m in referenced_metrics(expr) if label in METRIC_LABELS.get(m, set())]

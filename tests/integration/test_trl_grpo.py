@@ -39,11 +39,11 @@ class StepSpy:
     async def __call__(self, spec, *args, **kwargs):
         record = {"spec": spec, "versions": set(), "completions": 0}
         self.steps.append(record)
-        async for msg in self.real(spec, *args, **kwargs):
-            if msg.WhichOneof("event") == "completion":
-                record["versions"].add(msg.completion.policy_version)
+        async for item in self.real(spec, *args, **kwargs):
+            for c in item if isinstance(item, list) else ():  # completions (then the summary)
+                record["versions"].add(c.policy_version)
                 record["completions"] += 1
-            yield msg
+            yield item
 
 
 def _train(base_url: str, target: str, tiny_model: str, out_dir: str, weights: str):

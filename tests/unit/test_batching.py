@@ -22,7 +22,7 @@ from bubblespec.api.v1 import rollout_pb2_grpc as pbg
 from bubblespec.client import _convert as cv
 from bubblespec.client._base import StepCollector
 from bubblespec.client.types import Completion, FinishReason, Provenance, SamplingParams
-from bubblespec.scheduler import service as service_module
+from bubblespec.scheduler import wire as wire_module
 from bubblespec.scheduler.core.state import CoreSettings
 from bubblespec.scheduler.journal import StepJournal
 from bubblespec.scheduler.server import Scheduler
@@ -94,7 +94,7 @@ async def test_a_trainer_that_asks_for_batches_gets_each_completion_once_in_batc
     try:
         keys = sorted(worker.assignments)
         one = worker.completion(worker.assignments[keys[0]]).completion.ByteSize()
-        monkeypatch.setattr(service_module, "BATCH_BYTES", 3 * one + 1)  # at most 3 of these per response
+        monkeypatch.setattr(wire_module, "BATCH_BYTES", 3 * one + 1)  # at most 3 of these per response
         stream = aiter(call)
         worker.send(_batch_of(worker, keys))  # all 8 reach the trainer's queue in one go
         msgs = [await anext(stream) for _ in range(3)]

@@ -10,8 +10,6 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from fastapi import FastAPI
-
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.client import _convert as cv
 from bubblespec.client.types import Completion, FinishReason, Prompt, SamplingParams
@@ -20,8 +18,10 @@ from bubblespec.scheduler.core.types import ModelLimits, WorkerHello
 from bubblespec.scheduler.core.validate import Limits, build_step
 from bubblespec.scheduler.openai_api import create_router as create_openai_router
 from bubblespec.scheduler.rl_api import create_router
-from bubblespec.scheduler.service import SchedulerService
+from bubblespec.scheduler.service import END, SchedulerService
 from bubblespec.scheduler.settings import SchedulerSettings
+from bubblespec.scheduler.wire import feed, scheduler_message
+from fastapi import FastAPI
 
 LIMITS = ModelLimits(max_model_len=256, vocab_size=100)
 ROUTES = [("GET", "/get_world_size"), ("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused"),
@@ -42,13 +42,14 @@ class ScriptedWorker:
 
     async def _run(self) -> None:
         while True:
-            msg = await self.link.outbox.get()
-            if not isinstance(msg, pb.SchedulerMessage):
+            item = await self.link.outbox.get()
+            if item is END:
                 return
+            msg = scheduler_message(item)
             kind = msg.WhichOneof("kind")
             if kind == "load_policy":
                 self.loads.append((msg.load_policy.version, msg.load_policy.weights_path))
-                self.service.on_worker_message(self.wid, pb.WorkerMessage(policy_loaded=pb.PolicyLoaded(
+                feed(self.service, self.wid, pb.WorkerMessage(policy_loaded=pb.PolicyLoaded(
                     version=msg.load_policy.version, ok=not self.load_error, error=self.load_error)))
             elif kind == "assign":
                 asyncio.create_task(self._complete(msg.assign))
@@ -57,7 +58,7 @@ class ScriptedWorker:
         await self.release.wait()
         c = Completion(a.step_id, a.prompt_id, a.sample_index, (7, 8), (-0.5, -0.5), "", FinishReason.STOP,
                        a.policy_version)
-        self.service.on_worker_message(self.wid, pb.WorkerMessage(completion=pb.WorkerCompletion(
+        feed(self.service, self.wid, pb.WorkerMessage(completion=pb.WorkerCompletion(
             request_key=a.request_key, completion=cv.completion_to_pb(c))))
 
 
@@ -168,7 +169,7 @@ async def test_pause_wait_answers_once_the_active_step_ended():
             w.release.set()
         assert (await pause).json() == {"status": "paused"}
         assert not scheduler.core.steps["s"].active
-        assert sum(m.WhichOneof("event") == "completion" for m in await stream) == 3
+        assert sum(len(m) for m in await stream if isinstance(m, list)) == 3  # the completions
         await http.post("/resume")
         for w in workers:
             w.task.cancel()

@@ -17,16 +17,17 @@ from pathlib import Path
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.client.types import Completion, FinishReason, Provenance, SamplingParams, SchedulingPolicy, SourceStats
 from bubblespec.scheduler.core.state import CoreSettings, SchedulerCore
 from bubblespec.scheduler.core.types import Assign, ModelLimits, PromptSpec, StepSpec, WorkerHello
 from bubblespec.scheduler.metrics import SCHEDULER_METRICS, SchedulerMetrics
 from bubblespec.scheduler.service import SchedulerService
+from bubblespec.scheduler.wire import feed
 from bubblespec.store import DraftEntry, DraftSource, MemoryStore, ResilientStore, prompt_key
 from bubblespec.worker.metrics import WORKER_METRICS, WorkerMetrics
+from prometheus_client.parser import text_string_to_metric_families
+
 from tests.support.clock import FakeClock
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,7 +97,7 @@ def fed() -> Harness:
         h.clock.advance(1.0)
         h.complete(a)
     h.run(h.core.update_policy(1, "/weights/v1"))
-    h.service.on_worker_message("w0", pb.WorkerMessage(policy_loaded=pb.PolicyLoaded(version=1, ok=True, seconds=2.0)))
+    feed(h.service, "w0", pb.WorkerMessage(policy_loaded=pb.PolicyLoaded(version=1, ok=True, seconds=2.0)))
     h.metrics.count_rpc("bubblespec.v1.Rollout/Status", grpc.StatusCode.OK)
     h.metrics.store = ResilientStore(MemoryStore())
     h.service.journal = _Journal()  # read at scrape time only
@@ -112,6 +113,7 @@ class FakeAgent:
         self.worker_id = "w0"
         self.tasks = {"s/p/0": None, "draft:d1": None}
         self.draft_seconds = 1.5
+        self.spec_tokens = {"future": [10, 7], "suffix": [4, 3]}
         self.version = 2
         self.tokens_window: list[tuple[float, int]] = []
         self.connected = asyncio.Event()
@@ -317,6 +319,10 @@ def test_worker_exporter_reads_agent_and_store():
     assert samples["bubblespec_draft_store_op_seconds_count"] == 3
     assert samples["bubblespec_draft_store_op_seconds_sum"] == pytest.approx(store.stats.op_seconds_sum)
     assert samples["bubblespec_draft_store_up"] == 1
+    by_source = {(s.name, s.labels.get("source")): s.value for f in _families(exporter) for s in f.samples}
+    assert by_source[("bubblespec_worker_spec_drafted_tokens_total", "suffix")] == 4
+    assert by_source[("bubblespec_worker_spec_accepted_tokens_total", "suffix")] == 3
+    assert by_source[("bubblespec_worker_spec_accepted_tokens_total", "future")] == 7
 
 
 def test_requests_of_a_lost_worker_count_as_requeued_not_moved():

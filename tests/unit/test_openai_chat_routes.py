@@ -10,16 +10,16 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from fastapi import FastAPI
-from fastapi.testclient import TestClient
-
 from bubblespec.api.v1 import rollout_pb2 as pb
+from bubblespec.bench.tiny_model import CHAT_TEMPLATE, build_tiny_tokenizer
+from bubblespec.client import _convert as cv
 from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits
 from bubblespec.scheduler.core.validate import Limits
 from bubblespec.scheduler.openai_api import create_router
-from bubblespec.scheduler.openai_chat import load_chat_template, parse_messages, render_chat
+from bubblespec.scheduler.openai_chat import ChatCompletions, load_chat_template, parse_messages, render_chat
 from bubblespec.scheduler.settings import SchedulerSettings
-from bubblespec.bench.tiny_model import CHAT_TEMPLATE, build_tiny_tokenizer
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
 
 CHATS = [
     [{"role": "user", "content": "2+2="}],
@@ -112,21 +112,21 @@ LIMITS = ModelLimits(max_model_len=512, vocab_size=128)
 def _app(tokenizer: str, limits=LIMITS, max_body: int = 2**20, refuse: InvalidRequest | None = None):
     """A stub scheduler whose ``run_step`` records the step and answers sample i with ids [40 + i, 41],
     or raises ``refuse`` (as the service refuses a step it cannot run)."""
-    core = SimpleNamespace(limits=limits, version=0, steps={}, check_step=lambda spec: None)
+    core = SimpleNamespace(model_limits=limits, policy_version=0, steps={}, check_step=lambda spec: None)
 
     async def run_step(spec):
         if refuse is not None:
             raise refuse
         core.steps[spec.step_id] = spec
         for i in reversed(range(spec.sampling.n)):  # finish out of order
-            yield _completion(spec.step_id, i, [40 + i, 41], finish=2 if i else 1)
+            yield [cv.completion_from_pb(_completion(spec.step_id, i, [40 + i, 41], finish=2 if i else 1).completion)]
 
     settings = SchedulerSettings(tokenizer=tokenizer, served_model_name="tiny",
                                  limits=Limits(max_request_bytes=max_body))
     scheduler = SimpleNamespace(settings=settings, service=SimpleNamespace(core=core, tokenize=None, run_step=run_step),
                                 ready=True)
     app = FastAPI()
-    app.include_router(create_router(scheduler))
+    app.include_router(create_router(scheduler, chat=ChatCompletions))
     return TestClient(app), core
 
 

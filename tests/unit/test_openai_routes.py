@@ -8,17 +8,16 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from fastapi import FastAPI
-from fastapi.testclient import TestClient
-
 from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits
 from bubblespec.scheduler.core.validate import Limits
 from bubblespec.scheduler.openai_api import create_router, openai_param, parse_prompts, parse_sampling
 from bubblespec.scheduler.settings import SchedulerSettings
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
 
 
 def _app(token: str = "", limits=None, max_body: int = 2**20) -> tuple[TestClient, SimpleNamespace]:
-    core = SimpleNamespace(limits=limits, version=0, steps={})
+    core = SimpleNamespace(model_limits=limits, policy_version=0, steps={})
     settings = SchedulerSettings(trainer_token=token, tokenizer="/models/tiny/", limits=Limits(max_request_bytes=max_body))
     scheduler = SimpleNamespace(settings=settings,
                                 service=SimpleNamespace(core=core, tokenize=None), ready=False)

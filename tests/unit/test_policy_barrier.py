@@ -10,14 +10,23 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.client import _convert as cv
 from bubblespec.client.types import Completion, FinishReason
 from bubblespec.scheduler.core.types import (
-    Assign, Deliver, InvalidRequest, LoadPolicy, PolicyFailed, PolicyReady, StartDraft, StepFinished,
+    Assign,
+    Deliver,
+    InvalidRequest,
+    LoadPolicy,
+    PolicyFailed,
+    PolicyLoadReported,
+    PolicyReady,
+    StartDraft,
+    StepFinished,
 )
 from bubblespec.scheduler.service import SchedulerService
+from bubblespec.scheduler.wire import feed
+
 from tests.unit.test_core import complete, hello, make_core, of, step
 
 
@@ -32,7 +41,8 @@ def test_update_where_every_load_fails_names_each_worker_and_keeps_the_old_versi
     core, _ = two_workers()
     assert {x.worker_id for x in of(core.update_policy(1, "/no/such/dir"), LoadPolicy)} == {"a", "b"}
     assert core.version == 0  # the cluster's version moves only when every worker loaded it
-    assert core.on_policy_loaded("a", 1, False, "weights_path '/no/such/dir' is not a directory") == []
+    first = core.on_policy_loaded("a", 1, False, "weights_path '/no/such/dir' is not a directory")
+    assert [type(x) for x in first] == [PolicyLoadReported]
     failed = of(core.on_policy_loaded("b", 1, False, "weights_path '/no/such/dir' is not a directory"), PolicyFailed)
     assert len(failed) == 1 and of(core.on_policy_loaded("b", 1, False, "again"), PolicyReady) == []
     f = failed[0]
@@ -149,7 +159,7 @@ def test_worker_joining_during_an_update_loads_it_and_the_barrier_waits_for_it()
     core.update_policy(1, "/w1")
     assert of(core.add_worker(hello("c")), LoadPolicy) == [LoadPolicy("c", 1, "/w1")]
     core.on_policy_loaded("a", 1, True)
-    assert core.on_policy_loaded("b", 1, True) == []  # c has not answered yet
+    assert [type(x) for x in core.on_policy_loaded("b", 1, True)] == [PolicyLoadReported]  # c has not answered yet
     failed = of(core.on_policy_loaded("c", 1, False, "tensor 'x' is missing"), PolicyFailed)
     assert failed and "worker c: tensor 'x'" in failed[0].message and core.version == 0
 
@@ -181,7 +191,7 @@ class Journal:
 
 
 def loaded(service: SchedulerService, worker: str, version: int, ok: bool, error: str = "") -> None:
-    service.on_worker_message(worker, pb.WorkerMessage(policy_loaded=pb.PolicyLoaded(version=version, ok=ok, error=error)))
+    feed(service, worker, pb.WorkerMessage(policy_loaded=pb.PolicyLoaded(version=version, ok=ok, error=error)))
 
 
 async def test_service_answers_a_failed_update_with_each_reason_and_journals_nothing():
@@ -220,12 +230,12 @@ async def test_service_refuses_a_completion_from_another_policy_version_and_runs
     r = assigns[0].request
     wrong = Completion(r.step_id, r.prompt_id, r.sample_index, (1, 2), (0.0, 0.0), "", FinishReason.STOP, 7)
     msg = pb.WorkerCompletion(request_key=r.key, completion=cv.completion_to_pb(wrong))
-    service.on_worker_message(assigns[0].worker_id, pb.WorkerMessage(completion=msg))
+    feed(service, assigns[0].worker_id, pb.WorkerMessage(completion=msg))
     assert delivered == [] and not core.steps["s"].requests[r.key].done
     assert any("from policy version 7, the request asked for 0" in m for m in caplog.messages)
     again = core.steps["s"].requests[r.key].worker
     assert again is not None  # given out again (to a worker of version 0)
     right = Completion(r.step_id, r.prompt_id, r.sample_index, (1, 2), (0.0, 0.0), "", FinishReason.STOP, 0)
     msg = pb.WorkerCompletion(request_key=r.key, completion=cv.completion_to_pb(right))
-    service.on_worker_message(again, pb.WorkerMessage(completion=msg))
+    feed(service, again, pb.WorkerMessage(completion=msg))
     assert [type(a) for a in delivered] == [Deliver, StepFinished]

@@ -101,7 +101,8 @@ def test_expected_accepted_follows_the_chain_rule() -> None:
 def test_draft_length_rule_mirrors_the_worker() -> None:
     from bubblespec.worker.draft_index import DraftLength
 
-    rule, model = DraftLength(), AcceptanceModel()
+    rule = DraftLength()
+    model = AcceptanceModel(max_draft_tokens=rule.max_tokens, paying=False)  # the worker's fixed rule
     for batch in (1, 16, 64, 100, 256, 300):
         assert model.batch_cap(batch) == rule.batch_cap(batch)
         for alpha in (0.3, 0.45, 0.6, 0.7, 0.8, 0.9, 0.95):
@@ -119,7 +120,7 @@ def test_acceptance_spreads_around_the_source_mean() -> None:
 
 
 def engine(profile: CostProfile = FLAT) -> SimulatedEngine:
-    return SimulatedEngine("w0", profile, AcceptanceModel())
+    return SimulatedEngine("w0", profile, AcceptanceModel(max_draft_tokens=8, paying=False))  # the fixed rule's k
 
 
 def test_engine_runs_a_request_one_token_per_pass_without_a_draft() -> None:

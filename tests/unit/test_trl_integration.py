@@ -138,7 +138,10 @@ def test_callback_announces_the_next_rounds_token_ids_with_the_trainer_sampling(
     cb = BubbleSpecLookahead(steps=2, client=rec)
     cb.on_train_begin(args, _state(0), None, train_dataloader=_dataloader(args), processing_class=tokenizer)
     assert cb.exact is True
-    ids = lambda r: [list(t) for t in tokenizer(text=trained_rounds[r])["input_ids"]]
+
+    def ids(r: int) -> list[list[int]]:
+        return [list(t) for t in tokenizer(text=trained_rounds[r])["input_ids"]]
+
     assert [c[0] for c in rec.calls] == [ids(0), ids(1)]
     assert rec.calls[0][1] == SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_tokens=8, n=2)
     cb.on_step_end(args, _state(1), None)  # rounds 1 and 2 are next: only round 2 is new
@@ -329,7 +332,7 @@ def test_directory_sync_writes_a_loadable_checkpoint_and_posts_it(stub, tiny, to
     sync = DirectoryWeightSync(weights_root=tmp_path / "weights", token="tok", keep=2, **kwargs)
     start = read_checkpoint(tiny)
     posted = []
-    for step in range(3):
+    for _ in range(3):
         with torch.no_grad():
             kwargs["model"].model.norm.weight.add_(1.0)  # "a training step"
         sync.sync_weights()

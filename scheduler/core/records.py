@@ -1,0 +1,113 @@
+"""The core's mutable records of workers, requests and steps (what ``SchedulerCore`` and its
+collaborators, ``Balancer``, ``Pauser``, the status encoder, share). Outside the core nothing
+reads them: the shell reads the frozen views of ``core/view.py``."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from bubblespec.client.types import Completion, StepSummary
+from bubblespec.scheduler.core.types import (
+    RequestSpec,
+    StepFailed,
+    StepSpec,
+    Timeline,
+    WorkerHello,
+    WorkerStatus,
+)
+
+__all__ = ["CoreParts", "RequestState", "StepState", "WorkerState"]
+
+
+@dataclass
+class WorkerState:
+    """One connected worker as the core tracks it."""
+
+    hello: WorkerHello
+    version: int
+    joined_at: float
+    last_seen: float
+    loading: int | None = None
+    load_failed: int | None = None
+    running: set[str] = field(default_factory=set)
+    private: deque[str] = field(default_factory=deque)
+    drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # job id -> prompt
+    stopping: dict[str, tuple[int, ...]] = field(default_factory=dict)  # stopped, result pending
+    tokens_per_second: float = 0.0
+    busy_tokens_per_second: float = 0.0  # last rate reported while it had work (idle rates say nothing)
+    state: WorkerStatus = WorkerStatus.IDLE
+    state_since: float = 0.0
+    timeline: Timeline = field(default_factory=Timeline)
+
+    @property
+    def capacity(self) -> int:
+        return self.hello.capacity
+
+
+@dataclass
+class RequestState:
+    """One request (one sample of one prompt) of a step."""
+
+    spec: RequestSpec
+    worker: str | None = None
+    started_at: float = 0.0
+    progress: int = 0
+    progress_at: float = 0.0
+    done: bool = False
+    moved_from: str | None = None  # the worker it was moved off: it goes back there only if no one else can run it
+    failures: list[tuple[str, str]] = field(default_factory=list)  # failed attempts: (worker id, reason)
+
+
+@dataclass
+class StepState:
+    """One step: its requests, its shared queue, its time accounting, its outcome."""
+
+    spec: StepSpec
+    requests: dict[str, RequestState]
+    shared: deque[str]
+    started_at: float
+    completions: dict[str, Completion] = field(default_factory=dict)
+    finished_at: float | None = None
+    cancelled: bool = False
+    moved: int = 0
+    requeued: int = 0
+    busy: float = 0.0
+    idle: float = 0.0
+    drafting: float = 0.0
+    summary: StepSummary | None = None
+    failure: StepFailed | None = None  # set when the step ended in failure (no summary then)
+
+    @property
+    def active(self) -> bool:
+        return self.finished_at is None
+
+
+class CoreParts(Protocol):
+    """What the core's collaborators (``Balancer``, ``Pauser``, ``WeightTransfer``, the status
+    encoder) use of ``SchedulerCore``: they take the core as this, so that none of them
+    imports ``state.py``, which imports them."""
+
+    settings: Any
+    """``CoreSettings``."""
+    clock: Callable[[], float]
+    workers: dict[str, WorkerState]
+    steps: dict[str, StepState]
+    version: int
+    weights_path: str
+    planner: Any
+    """``DraftPlanner``."""
+    pauser: Any
+    """``Pauser``."""
+    timing: Any
+    """``TimeAccounting``."""
+
+    def _fill(self, w: WorkerState, limit: int | None = None) -> list: ...
+
+    def _fill_all(self) -> list: ...
+
+    def _predicted(self, prompt: tuple[int, ...]) -> float: ...
+
+    def cancel_step(self, step_id: str) -> list: ...

@@ -1,0 +1,140 @@
+"""Protobuf at the edge: worker messages in as core events, core actions out as worker
+messages, a step's stream out as trainer responses.
+
+``SchedulerService`` neither builds nor takes protobuf: the ``WorkerLink`` servicer hands each
+worker message to ``feed`` (which turns it into ``core/events.py`` events for the service) and
+turns what a worker's outbox holds into ``SchedulerMessage`` s with ``scheduler_message``; the
+``Rollout`` servicer turns what ``run_step`` yields into ``GenerateResponse`` s with
+``generate_responses``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from bubblespec.api.v1 import rollout_pb2 as pb
+from bubblespec.client import _convert as cv
+from bubblespec.client.types import Completion, StepSummary
+from bubblespec.scheduler.core.events import (
+    Aborted,
+    Completed,
+    DraftResult,
+    Heartbeat,
+    PolicyLoaded,
+    Progress,
+    WorkerEvent,
+    WorkerSeen,
+)
+from bubblespec.scheduler.core.types import Abort, Action, Assign, InvalidRequest, LoadPolicy, StartDraft, StopDraft
+
+if TYPE_CHECKING:
+    from bubblespec.scheduler.service import SchedulerService
+
+__all__ = ["BATCH_BYTES", "BATCH_MAX", "feed", "generate_responses", "scheduler_message", "worker_event"]
+
+logger = logging.getLogger(__name__)
+
+
+def feed(service: SchedulerService, worker_id: str, msg: pb.WorkerMessage) -> None:
+    """Hand one message of ``worker_id``'s stream to ``service``: a batch as one event per
+    entry (a bad entry costs only itself, logged), a control call's answer to the control
+    fan-out. Raises ``InvalidRequest`` for a bad single message."""
+    kind = msg.WhichOneof("kind")
+    if kind == "completions":
+        for i, wc in enumerate(msg.completions.completions):
+            try:
+                service.on_worker_event(_completed(worker_id, wc))
+            except InvalidRequest as exc:
+                logger.warning("worker %s sent a bad message: completions[%d]: %s", worker_id, i, exc)
+        return
+    if kind == "progress_batch":
+        for p in msg.progress_batch.progress:
+            service.on_worker_event(Progress(worker_id, p.request_key, p.generated_tokens))
+        return
+    if kind == "control_result":
+        service.on_worker_event(WorkerSeen(worker_id))
+        service.control.answer(worker_id, msg.control_result)
+        return
+    service.on_worker_event(worker_event(worker_id, msg))
+
+
+def worker_event(worker_id: str, msg: pb.WorkerMessage) -> WorkerEvent:
+    """One (non-batch) worker message as a core event."""
+    kind = msg.WhichOneof("kind")
+    if kind == "heartbeat":
+        return Heartbeat(worker_id, msg.heartbeat.tokens_per_second)
+    if kind == "progress":
+        return Progress(worker_id, msg.progress.request_key, msg.progress.generated_tokens)
+    if kind == "completion":
+        return _completed(worker_id, msg.completion)
+    if kind == "aborted":
+        return Aborted(worker_id, msg.aborted.request_key, msg.aborted.reason)
+    if kind == "policy_loaded":
+        m = msg.policy_loaded
+        return PolicyLoaded(worker_id, m.version, m.ok, m.error, m.weights_unknown, m.seconds)
+    if kind == "draft_result":
+        r = msg.draft_result
+        return DraftResult(worker_id, r.job_id, r.tokens, r.finished)
+    raise InvalidRequest("kind", f"unexpected worker message {kind!r}")
+
+
+def _completed(worker_id: str, wc: pb.WorkerCompletion) -> Completed:
+    return Completed(worker_id, wc.request_key, cv.completion_from_pb(wc.completion))
+
+
+def scheduler_message(item: Action | pb.SchedulerMessage) -> pb.SchedulerMessage:
+    """What a worker's outbox holds (an action for that worker, or a control call already
+    built by ``control.py``) as the message its stream carries."""
+    match item:
+        case pb.SchedulerMessage():
+            return item
+        case Assign(_, req):
+            return pb.SchedulerMessage(assign=pb.Assignment(
+                request_key=req.key, step_id=req.step_id, prompt_id=req.prompt_id,
+                sample_index=req.sample_index, prompt_token_ids=list(req.prompt_token_ids),
+                sampling=cv.sampling_to_pb(req.sampling), policy_version=req.policy_version,
+                use_drafts=req.use_drafts, group_size=req.group_size))
+        case Abort(_, key):
+            return pb.SchedulerMessage(abort=pb.Abort(request_key=key))
+        case LoadPolicy(_, version, path):
+            return pb.SchedulerMessage(load_policy=pb.LoadPolicy(version=version, weights_path=path))
+        case StartDraft(_, job):
+            return pb.SchedulerMessage(draft_job=pb.DraftJob(
+                job_id=job.job_id, step_id=job.for_step, prompt_token_ids=list(job.prompt_token_ids),
+                sampling=cv.sampling_to_pb(job.sampling), policy_version=job.policy_version))
+        case StopDraft(_, job_id):
+            return pb.SchedulerMessage(stop_draft=pb.StopDraft(job_id=job_id))
+    raise TypeError(f"not a worker message: {item!r:.80}")
+
+
+BATCH_BYTES = 2**20
+"""Most bytes of completions one ``CompletionBatch`` response carries (a single larger
+completion goes alone): far under the gRPC message limits of both ends (64 MiB by default)."""
+BATCH_MAX = 512
+"""Most completions one ``CompletionBatch`` response carries."""
+
+
+def generate_responses(item: list[Completion] | StepSummary, batch: bool) -> Iterator[pb.GenerateResponse]:
+    """One item of ``SchedulerService.run_step`` as trainer responses: a summary as one; the
+    completions one ``completion`` response each, or with ``batch`` as ``CompletionBatch``
+    responses of up to ``BATCH_MAX`` completions / ``BATCH_BYTES`` bytes, in order."""
+    if isinstance(item, StepSummary):
+        yield pb.GenerateResponse(summary=cv.summary_to_pb(item))
+        return
+    encoded = [cv.completion_to_pb(c) for c in item]
+    if not batch:
+        yield from (pb.GenerateResponse(completion=c) for c in encoded)
+        return
+    group: list[pb.Completion] = []
+    size = 0
+    for c in encoded:
+        n = c.ByteSize()
+        if group and (len(group) >= BATCH_MAX or size + n > BATCH_BYTES):
+            yield pb.GenerateResponse(completions=pb.CompletionBatch(completions=group))
+            group, size = [], 0
+        group.append(c)
+        size += n
+    if group:
+        yield pb.GenerateResponse(completions=pb.CompletionBatch(completions=group))
