@@ -1,4 +1,4 @@
-"""Draft store: per-prompt draft continuations and response lengths (DESIGN.md section 4).
+"""Draft store: per-prompt draft continuations and response lengths (docs/EXACTNESS.md, "How drafts flow").
 
 Importing this package does not import redis; ``RedisStore`` and ``open_store`` for a
 ``redis://`` URL load it on first use.

@@ -40,7 +40,7 @@ _U32_TYPECODE = next(code for code in "IL" if array(code).itemsize == 4)
 
 
 class DraftSource(str, enum.Enum):
-    """Where a draft continuation came from (see DESIGN.md section 4)."""
+    """Where a stored draft continuation came from (docs/EXACTNESS.md, "How drafts flow")."""
 
     FUTURE = "future"
     """Pre-generated in a bubble for an upcoming step."""

@@ -23,8 +23,10 @@ def check_completion(c: Completion, key: str, limits: ModelLimits | None,
         raise InvalidRequest(field, f"is for {c.step_id!r:.40}/{c.prompt_id!r:.40}/{c.sample_index}, "
                              f"not for its request_key {key!r:.80}")
     vocab = limits.vocab_size if limits is not None else 0
-    bad = next((t for t in c.token_ids if not 0 <= t < vocab), None)
-    if bad is not None:
+    ids = c.token_ids
+    lowest = min(ids, default=None)  # C-level scans, not a Python loop: this runs once per completion
+    if lowest is not None and (lowest < 0 or max(ids) >= vocab):
+        bad = next(t for t in ids if not 0 <= t < vocab)
         raise InvalidRequest(f"{field}.token_ids", f"{bad} is outside the vocabulary [0, {vocab})")
     return c
 

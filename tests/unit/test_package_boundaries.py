@@ -70,36 +70,7 @@ def test_the_runtime_packages_never_import_the_bench_package_or_the_cli():
     assert wrong == []
 
 
-def test_there_are_no_import_cycles_between_modules():
-    modules = _modules()
-    graph = {m: {n for n in _imports(p, m, top_level_only=True, known=modules) if n in modules and n != m}
-             for m, p in modules.items()}
-    cycles, done, stack = [], set(), []
-
-    def visit(m: str) -> None:
-        if m in stack:
-            cycles.append(" -> ".join(stack[stack.index(m):] + [m]))
-            return
-        if m in done:
-            return
-        stack.append(m)
-        for n in sorted(graph[m]):
-            visit(n)
-        stack.pop()
-        done.add(m)
-
-    for m in sorted(graph):
-        visit(m)
-    assert cycles == []
-
-
-def _cycles_within(packages: tuple[str, ...]) -> list[str]:
-    """Import cycles among the modules of ``packages``, counting every import: module-level, inside
-    functions and under ``TYPE_CHECKING``."""
-    modules = _modules()
-    mine = {m: p for m, p in modules.items() if _within(m, packages)}
-    graph = {m: {n for n in _imports(p, m, top_level_only=False, known=modules) if n in mine and n != m}
-             for m, p in mine.items()}
+def _cycles(graph: dict[str, set[str]]) -> list[str]:
     cycles, done, stack = [], set(), []
 
     def visit(m: str) -> None:
@@ -117,6 +88,23 @@ def _cycles_within(packages: tuple[str, ...]) -> list[str]:
     for m in sorted(graph):
         visit(m)
     return cycles
+
+
+def _cycles_within(packages: tuple[str, ...], *, top_level_only: bool = False) -> list[str]:
+    """Import cycles among the modules of ``packages``, counting every import (module-level, inside
+    functions and under ``TYPE_CHECKING``), or with ``top_level_only`` the module-level ones."""
+    modules = _modules()
+    mine = {m: p for m, p in modules.items() if _within(m, packages)}
+    return _cycles({m: {n for n in _imports(p, m, top_level_only=top_level_only, known=modules) if n in mine and n != m}
+                    for m, p in mine.items()})
+
+
+def test_there_are_no_import_cycles_between_modules():
+    assert _cycles_within(tuple(PACKAGES), top_level_only=True) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a -> b -> c -> a"]
 
 
 def test_the_cli_and_bench_modules_import_each_other_in_no_cycle_even_inside_functions():
