@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from bubblespec.client.types import SchedulingPolicy
 from bubblespec.scheduler.core.state import CoreSettings
 from bubblespec.scheduler.core.validate import Limits
 
@@ -77,8 +78,9 @@ class SchedulerSettings:
     orphan_grace_seconds: float = 30.0
     """A running step whose trainer disconnected is cancelled after this long without a
     trainer re-attaching (the SDK re-attaches within seconds on retryable errors)."""
-    default_policy: str = "queue"
-    """Scheduling policy of steps that name none: static | queue | longest-first."""
+    default_policy: SchedulingPolicy = SchedulingPolicy.QUEUE
+    """Scheduling policy of steps that name none: static | queue | longest-first (the string is
+    accepted and converted)."""
     default_logprobs_mode: str = "processed"
     """Logprobs of steps that name none (``SamplingParams.logprobs_mode``): processed | raw.
     The workers' engines must return them (``EngineSettings.logprobs_mode``), or such steps
@@ -104,6 +106,14 @@ class SchedulerSettings:
     weight_transfer_timeout_seconds: float = 600.0
     """How long one weight-transfer call (or ``/reset_prefix_cache``) waits for every worker's
     answer; a worker still silent then is named in the error and counts as failed."""
+
+    def __post_init__(self) -> None:
+        try:
+            policy = SchedulingPolicy(self.default_policy)
+        except ValueError:
+            names = " | ".join(p.value for p in SchedulingPolicy)
+            raise ValueError(f"default_policy: {self.default_policy!r:.40} is not a policy ({names})") from None
+        object.__setattr__(self, "default_policy", policy)
 
     def model_name(self) -> str:
         """The served model name (``served_model_name`` or its default)."""

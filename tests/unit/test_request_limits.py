@@ -111,3 +111,12 @@ def test_default_limits_fit_the_default_message_limits():
     assert worker_message_bound(scheduler.limits, 1_000_000) <= scheduler.max_message_bytes
     assert scheduler.limits.max_request_bytes <= scheduler.max_message_bytes
     assert worker.max_message_bytes > 4 * 2**20, "above gRPC's default receive limit"
+
+
+def test_the_default_policy_is_an_enum_and_a_wrong_name_is_refused_naming_the_field():
+    from bubblespec.client.types import SchedulingPolicy
+
+    assert SchedulerSettings(default_policy="longest-first").default_policy is SchedulingPolicy.LONGEST_FIRST
+    assert SchedulerSettings().default_policy is SchedulingPolicy.QUEUE
+    with pytest.raises(ValueError, match="default_policy: 'fastest' is not a policy"):
+        SchedulerSettings(default_policy="fastest")
