@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import replace
-from typing import TYPE_CHECKING, Literal
+from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from bubblespec.scheduler.core.types import Abort, Action, ErrorCode, InvalidRequest, RequestsMoved
 
@@ -33,8 +34,17 @@ if TYPE_CHECKING:
 
 __all__ = ["PAUSE_MODES", "PauseMode", "Pauser"]
 
-PauseMode = Literal["abort", "wait", "keep"]
-PAUSE_MODES: tuple[str, ...] = ("abort", "wait", "keep")
+
+
+class PauseMode(StrEnum):
+    """vLLM's ``/pause?mode=``: what happens to the steps active when the pause is asked."""
+
+    ABORT = "abort"
+    WAIT = "wait"
+    KEEP = "keep"
+
+
+PAUSE_MODES: tuple[str, ...] = tuple(m.value for m in PauseMode)
 
 
 class Pauser:
@@ -43,8 +53,8 @@ class Pauser:
     def __init__(self, core: CoreParts):
         self.core = core
         self.paused = False
-        self.mode: str = ""
-        """The mode of the latest ``pause`` ('' when not paused)."""
+        self.mode: PauseMode | None = None
+        """The mode of the latest ``pause`` (None when not paused)."""
         self.held: set[str] = set()
         """Ids of the steps a ``keep`` pause holds: none of their work is dispatched."""
 
@@ -69,13 +79,13 @@ class Pauser:
         """Pause (idempotent: pausing again applies ``mode`` to the steps active now)."""
         if mode not in PAUSE_MODES:
             raise InvalidRequest("mode", f"must be one of {', '.join(PAUSE_MODES)}, got {mode!r:.40}")
-        self.paused, self.mode = True, mode
+        self.paused, self.mode = True, PauseMode(mode)
         core = self.core
         active = [s for s in core.steps.values() if s.active]
-        if mode == "abort":
+        if self.mode is PauseMode.ABORT:
             self.held.clear()
             return [a for s in active for a in core.cancel_step(s.spec.step_id)]
-        if mode == "wait":
+        if self.mode is PauseMode.WAIT:
             return []
         actions: list[Action] = []
         for step in active:
@@ -84,7 +94,7 @@ class Pauser:
 
     def resume(self) -> list[Action]:
         """Resume dispatch (idempotent): held steps run again, new steps are taken."""
-        self.paused, self.mode = False, ""
+        self.paused, self.mode = False, None
         self.held.clear()
         return self.core._fill_all()
 
