@@ -40,11 +40,11 @@ class BubbleSpecError(Exception):
 
 
 class RetryableError(BubbleSpecError):
-    pass
+    """A failure the SDK retries (with backoff) before raising it: the call may succeed later."""
 
 
 class FatalError(BubbleSpecError):
-    pass
+    """A failure retrying cannot fix (bad input, auth, a cancelled step): raised at once."""
 
 
 class ServiceUnavailable(RetryableError):

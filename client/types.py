@@ -104,6 +104,9 @@ class Provenance:
 
 @dataclass(frozen=True)
 class Completion:
+    """One finished sample of one prompt, as the trainer receives it: its tokens, text, finish
+    reason, logprobs when asked, the policy version that made it and its draft provenance."""
+
     step_id: str
     prompt_id: str
     sample_index: int

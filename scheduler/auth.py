@@ -64,6 +64,9 @@ def _deny(code: grpc.StatusCode, message: str, handler: grpc.RpcMethodHandler | 
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Checks the bearer token of every gRPC call: trainer methods need the trainer token, worker
+    methods the worker token (constant-time compare); anything else is UNAUTHENTICATED."""
+
     def __init__(self, trainer_token: str, worker_token: str):
         self.tokens = {_TRAINER_PREFIX: trainer_token, _WORKER_PREFIX: worker_token}
 

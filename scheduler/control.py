@@ -38,6 +38,9 @@ class ControlAnswer:
 
 
 class ControlCalls:
+    """Control calls fanned out to workers (weight-transfer routes, prefix-cache reset): sends
+    one ``ControlCall`` per worker and collects each worker's ``ControlResult`` by call id."""
+
     def __init__(self, send: Callable[[str, pb.SchedulerMessage], bool]):
         """``send(worker_id, message)``: queue a message on the worker's stream; False when it
         has none."""

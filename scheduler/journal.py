@@ -53,6 +53,11 @@ _DOMAIN = b"bubblespec-journal-v1"
 
 
 class StepJournal:
+    """What a restarted scheduler needs to resume a step without running its finished requests
+    again: each step's fingerprint, its completions, its failure and the current policy, in Redis,
+    each entry sealed with an HMAC so a forged or corrupt one is refused, not replayed. Writes are
+    queued and batched (one pipeline per ``batch_seconds``); ``flush()`` waits for them."""
+
     def __init__(self, settings: StoreSettings, secret: bytes, ttl_seconds: int = 24 * 3600,
                  finished_ttl_seconds: int = 600, batch_seconds: float = 0.02):
         """``batch_seconds``: how long a write waits for more to join it (one pipeline, one HSET

@@ -45,6 +45,11 @@ def load_tokenizer(path: str):
 
 
 class Scheduler:
+    """The scheduler process in one object: ``SchedulerService`` (the asyncio shell around
+    ``SchedulerCore``) behind the gRPC servicers and the HTTP app, plus the journal, metrics and
+    the tick that drives straggler and liveness checks. ``start()`` / ``stop(grace)`` inside any
+    running event loop."""
+
     def __init__(self, settings: SchedulerSettings = SchedulerSettings()):
         self.settings = settings
         self.core = SchedulerCore(settings.core, clock=time.monotonic)

@@ -17,6 +17,9 @@ __all__ = ["SchedulerSettings"]
 
 @dataclass(frozen=True)
 class SchedulerSettings:
+    """Everything ``bubblespec up`` / ``python -m bubblespec.scheduler`` is configured with
+    (flags and ``BUBBLESPEC_*`` environment variables map to these fields); frozen."""
+
     host: str = ""
     """Address both servers bind to. '' = safe default: all interfaces (0.0.0.0) when both
     trainer_token and worker_token are set, else loopback (127.0.0.1), so that a scheduler

@@ -22,6 +22,9 @@ __all__ = ["StatusView"]
 
 
 class StatusView:
+    """The ``/status`` document and Status RPC, built from ``core.status()`` at most once per
+    ``max_age_seconds`` whatever the number of pollers."""
+
     def __init__(self, core: SchedulerCore, max_age_seconds: float = 0.5) -> None:
         self.core = core
         self.encoder = StatusEncoder(max_age_seconds)

@@ -128,6 +128,9 @@ class EngineOutput:
 
 
 class Engine(Protocol):
+    """What the worker agent needs of an inference engine: generate with optional drafts and
+    report progress, abort, load a policy, and describe itself (``info``)."""
+
     info: EngineInfo
 
     @property

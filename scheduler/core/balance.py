@@ -28,6 +28,9 @@ __all__ = ["Balancer", "StallWatch"]
 
 
 class Balancer:
+    """Chooses the worker for queued work by predicted tokens left (module docstring) and keeps
+    the ``StallWatch`` the core's straggler check reads."""
+
     def __init__(self, core: SchedulerCore):
         self.core = core
         self.stalls = StallWatch()

@@ -97,6 +97,9 @@ class Upcoming:
 
 
 class DraftPlanner:
+    """The announced upcoming prompts and which one an idle worker drafts next (module
+    docstring); a collaborator of ``SchedulerCore`` (``core.planner``)."""
+
     def __init__(self) -> None:
         self.upcoming: dict[tuple[int, ...], Upcoming] = {}
         self._heap: list[tuple[int, float, int, tuple[int, ...]]] = []
