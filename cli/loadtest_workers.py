@@ -84,8 +84,13 @@ def _timed_agent_class():
             self.probe = probe
 
         async def _handle(self, msg) -> None:
-            if msg.WhichOneof("kind") == "assign":
+            kind = msg.WhichOneof("kind")
+            if kind == "assign":
                 self.probe.assigned(self.worker_id, time.monotonic())
+            elif kind == "assigns":  # a batch: each assignment arrived now
+                now = time.monotonic()
+                for _ in msg.assigns.assignments:
+                    self.probe.assigned(self.worker_id, now)
             await super()._handle(msg)
 
         def _send(self, **kind) -> None:

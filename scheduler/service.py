@@ -19,6 +19,7 @@ from bubblespec.client.types import Completion, SamplingParams, StepSummary
 from bubblespec.scheduler.control import ControlCalls
 from bubblespec.scheduler.core.checks import check_replayed
 from bubblespec.scheduler.core.events import WorkerEvent, WorkerJoined, WorkerLeft
+from bubblespec.scheduler.core.pause import PauseMode
 from bubblespec.scheduler.core.state import SchedulerCore
 from bubblespec.scheduler.core.transfer import WeightTransfer
 from bubblespec.scheduler.core.types import (
@@ -53,11 +54,23 @@ END = object()
 @dataclass(eq=False)
 class WorkerLink:
     """One connected worker: its outbound queue (core actions for it, control calls; the
-    servicer turns each into a ``SchedulerMessage``: ``wire.scheduler_message``) and, last,
-    ``END``."""
+    servicer turns what it holds at once into ``SchedulerMessage`` s: ``wire.scheduler_messages``)
+    and, last, ``END``. ``accepts_assign_batches``: the worker's hello said it reads ``assigns``
+    batches (consecutive assignments then go out as one message)."""
 
     worker_id: str
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    accepts_assign_batches: bool = False
+
+    def drain(self, first: object) -> tuple[list, bool]:
+        """``first`` and what else the outbox holds now, in order, up to ``END``; and whether
+        ``END`` was reached (the stream ends after these)."""
+        items = [first]
+        while items[-1] is not END and not self.outbox.empty():
+            items.append(self.outbox.get_nowait())
+        if items[-1] is END:
+            return items[:-1], True
+        return items, False
 
     def send(self, msg: object) -> None:
         self.outbox.put_nowait(msg)
@@ -263,7 +276,7 @@ class SchedulerService:
         not held has ended. False when a ``/resume`` came first (the pause is over)."""
         self.execute(self.core.pause(mode))
         loop = asyncio.get_running_loop()
-        while mode == "wait" and self.core.paused and self.core.pause_waiting():
+        while mode == PauseMode.WAIT and self.core.paused and self.core.pause_waiting():
             ended = loop.create_future()
 
             def wake(action, ended=ended) -> None:
@@ -289,14 +302,14 @@ class SchedulerService:
 
     # ---------------------------------------------------------------- workers --
 
-    def attach_worker(self, hello: WorkerHello) -> WorkerLink:
+    def attach_worker(self, hello: WorkerHello, accepts_assign_batches: bool = False) -> WorkerLink:
         old = self.links.pop(hello.worker_id, None)
         if old is not None:  # a reconnect supersedes the old stream
             old.close()
             self.control.lost(hello.worker_id, "reconnected before answering (its stream was replaced)")
             self.execute(self.core.handle(WorkerLeft(hello.worker_id, "the worker reconnected while running it")))
         actions = self.core.handle(WorkerJoined(hello))
-        link = WorkerLink(hello.worker_id)
+        link = WorkerLink(hello.worker_id, accepts_assign_batches=accepts_assign_batches)
         self.links[hello.worker_id] = link
         self.execute(actions)
         logger.info("worker %s joined (capacity %d, version %d)", hello.worker_id, hello.capacity, hello.policy_version)

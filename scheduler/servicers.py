@@ -26,9 +26,9 @@ from bubblespec.scheduler.core.validate import (
     prompt_tokens,
     worker_message_bound,
 )
-from bubblespec.scheduler.service import END, SchedulerService
+from bubblespec.scheduler.service import SchedulerService
 from bubblespec.scheduler.status_view import StatusView
-from bubblespec.scheduler.wire import feed, generate_responses, scheduler_message
+from bubblespec.scheduler.wire import feed, generate_responses, scheduler_messages
 
 __all__ = ["RolloutServicer", "WorkerLinkServicer"]
 
@@ -148,14 +148,18 @@ class WorkerLinkServicer(pbg.WorkerLinkServicer):
                                      f"got {h.tensor_parallel_size}")
             link = self.service.attach_worker(WorkerHello(
                 h.worker_id, h.capacity, h.policy_version, ModelLimits(h.max_model_len, h.vocab_size), h.speculation,
-                h.logprobs_mode or "processed", model=h.model, tensor_parallel_size=max(1, h.tensor_parallel_size)))
+                h.logprobs_mode or "processed", model=h.model, tensor_parallel_size=max(1, h.tensor_parallel_size)),
+                accepts_assign_batches=h.accepts_assign_batches)
         except InvalidRequest as exc:
             await _abort(context, exc)
             return
         reader = asyncio.create_task(self._read(link.worker_id, request_iterator, link))
         try:
-            while (item := await link.outbox.get()) is not END:
-                yield scheduler_message(item)
+            ended = False
+            while not ended:  # what the outbox holds at once goes out together (assignment batches)
+                items, ended = link.drain(await link.outbox.get())
+                for msg in scheduler_messages(items, link.accepts_assign_batches, self.max_message_bytes):
+                    yield msg
         finally:
             reader.cancel()
             self.service.detach_worker(link)

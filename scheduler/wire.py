@@ -3,7 +3,7 @@ messages, a step's stream out as trainer responses.
 
 ``SchedulerService`` neither builds nor takes protobuf: the ``WorkerLink`` servicer hands each
 worker message to ``feed`` (which turns it into ``core/events.py`` events for the service) and
-turns what a worker's outbox holds into ``SchedulerMessage`` s with ``scheduler_message``; the
+turns what a worker's outbox holds into ``SchedulerMessage`` s with ``scheduler_messages``; the
 ``Rollout`` servicer turns what ``run_step`` yields into ``GenerateResponse`` s with
 ``generate_responses``.
 """
@@ -32,7 +32,8 @@ from bubblespec.scheduler.core.types import Abort, Action, Assign, InvalidReques
 if TYPE_CHECKING:
     from bubblespec.scheduler.service import SchedulerService
 
-__all__ = ["BATCH_BYTES", "BATCH_MAX", "feed", "generate_responses", "scheduler_message", "worker_event"]
+__all__ = ["ASSIGN_BATCH_MAX", "BATCH_BYTES", "BATCH_MAX", "feed", "generate_responses", "scheduler_message",
+           "scheduler_messages", "worker_event"]
 
 logger = logging.getLogger(__name__)
 
@@ -109,11 +110,46 @@ def scheduler_message(item: Action | pb.SchedulerMessage) -> pb.SchedulerMessage
     raise TypeError(f"not a worker message: {item!r:.80}")
 
 
+def scheduler_messages(items: list, batch: bool, max_bytes: int = 0) -> Iterator[pb.SchedulerMessage]:
+    """What a worker's outbox held at once, as its stream's messages, in order. With ``batch``
+    (the worker's hello set ``accepts_assign_batches``) consecutive assignments go out as
+    ``assigns`` batches of up to ``ASSIGN_BATCH_MAX`` assignments and ``max_bytes`` bytes
+    (0 = ``BATCH_BYTES``; one alone, or one larger than that, as a single ``assign``); any other
+    item ends a run of them, so an Abort never overtakes the Assign before it. Without
+    ``batch``: one message per item."""
+    cap = min(max_bytes or BATCH_BYTES, BATCH_BYTES)
+    group: list[pb.Assignment] = []
+    size = 0
+    for item in items:
+        msg = scheduler_message(item)
+        if not batch or not isinstance(item, Assign):
+            yield from _assign_group(group)
+            group, size = [], 0
+            yield msg
+            continue
+        n = msg.assign.ByteSize() + 6  # an entry's tag and length prefix take at most 6 bytes
+        if group and (len(group) >= ASSIGN_BATCH_MAX or size + n > cap - 16):
+            yield from _assign_group(group)
+            group, size = [], 0
+        group.append(msg.assign)
+        size += n
+    yield from _assign_group(group)
+
+
+def _assign_group(group: list[pb.Assignment]) -> Iterator[pb.SchedulerMessage]:
+    if len(group) == 1:
+        yield pb.SchedulerMessage(assign=group[0])
+    elif group:
+        yield pb.SchedulerMessage(assigns=pb.AssignBatch(assignments=group))
+
+
 BATCH_BYTES = 2**20
 """Most bytes of completions one ``CompletionBatch`` response carries (a single larger
 completion goes alone): far under the gRPC message limits of both ends (64 MiB by default)."""
 BATCH_MAX = 512
 """Most completions one ``CompletionBatch`` response carries."""
+ASSIGN_BATCH_MAX = 512
+"""Most assignments one ``AssignBatch`` message carries."""
 
 
 def generate_responses(item: list[Completion] | StepSummary, batch: bool) -> Iterator[pb.GenerateResponse]:

@@ -88,6 +88,11 @@ class WorkerSettings:
 
 
 class WorkerAgent:
+    """One worker: holds a stream to the scheduler, runs its assignments and draft jobs on an
+    ``Engine`` (``VllmEngine``, or the load-test engine), reports progress and completions, and
+    writes the drafts and lengths it produces to the draft store. Reconnects with backoff; what it
+    was running when a stream broke is dropped (the scheduler re-queues it)."""
+
     def __init__(self, settings: WorkerSettings, engine: Engine, store: DraftStore | None = None):
         self.settings = settings
         self.worker_id = settings.resolved_id()
@@ -185,7 +190,8 @@ class WorkerAgent:
                         policy_version=self.version, max_model_len=info.max_model_len,
                         vocab_size=info.vocab_size, model=info.model, speculation=info.speculation,
                         logprobs_mode=info.logprobs_mode,
-                        tensor_parallel_size=self.settings.engine.tensor_parallel_size)
+                        tensor_parallel_size=self.settings.engine.tensor_parallel_size,
+                        accepts_assign_batches=True)
 
     async def _outgoing(self):
         """The outbox as the stream's messages. Completions waiting at once (requests that
@@ -222,6 +228,9 @@ class WorkerAgent:
         if kind == "assign":
             a = msg.assign
             self.tasks[a.request_key] = asyncio.create_task(self._run_assignment(a))
+        elif kind == "assigns":  # each as a single ``assign``; a bad one costs only itself
+            for i, a in enumerate(msg.assigns.assignments):
+                self.tasks[a.request_key] = asyncio.create_task(self._run_assignment(a, f"assigns[{i}]"))
         elif kind == "abort":
             await self._cancel(msg.abort.request_key)
         elif kind == "load_policy":
@@ -316,7 +325,9 @@ class WorkerAgent:
         entries = entries[: self.settings.max_drafts_per_request]
         return tuple((e.source.value, e.tokens) for e in entries if e.tokens)
 
-    async def _run_assignment(self, a: pb.Assignment) -> None:
+    async def _run_assignment(self, a: pb.Assignment, where: str = "") -> None:
+        """Run one assignment; a failure answers ``Aborted`` with the reason, after ``where``
+        (the batch entry it came in as, ``assigns[3]``; "" for a single ``assign``)."""
         key = a.request_key
         try:
             prompt = tuple(a.prompt_token_ids)
@@ -356,7 +367,7 @@ class WorkerAgent:
             logger.exception("request %s failed", key)
             self._progress.pop(key, None)
             self.tasks.pop(key, None)
-            self._send(aborted=pb.Aborted(request_key=key, reason=str(exc)[:500]))
+            self._send(aborted=pb.Aborted(request_key=key, reason=(f"{where}: {exc}" if where else str(exc))[:500]))
             self._check_engine()
 
     def _report_progress(self, key: str, tokens: int) -> None:

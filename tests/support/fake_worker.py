@@ -75,9 +75,11 @@ class FakeWorker:
         fail: Callable[[pb.Assignment], str | None] | None = None,
         tensor_parallel_size: int = 0,
         control: Callable[[pb.ControlCall], dict | str | object | None] | None = None,
+        assign_batches: bool = False,
     ):
         """``first``: the opening message (default: a proper hello; None: send nothing and
-        half-close at once, an empty stream)."""
+        half-close at once, an empty stream). ``assign_batches``: the hello says it reads
+        ``assigns`` batches (each entry is handled as a single ``assign``)."""
         self.target = target
         self.worker_id = worker_id
         self.vocab_size = vocab_size
@@ -92,7 +94,7 @@ class FakeWorker:
         self.controls: list[pb.ControlCall] = []  # every control call received, in order
         hello = pb.Hello(worker_id=worker_id, capacity=capacity, policy_version=policy_version,
                          max_model_len=max_model_len, vocab_size=vocab_size, model="fake", speculation=speculation,
-                         tensor_parallel_size=tensor_parallel_size)
+                         tensor_parallel_size=tensor_parallel_size, accepts_assign_batches=assign_batches)
         self.first = pb.WorkerMessage(hello=hello) if first is _DEFAULT else first
         self.assignments: dict[str, pb.Assignment] = {}  # held: assigned and not yet answered
         self.answered: list[str] = []
@@ -203,14 +205,10 @@ class FakeWorker:
     def _handle(self, msg: pb.SchedulerMessage) -> None:
         kind = msg.WhichOneof("kind")
         if kind == "assign":
-            reason = self.fail(msg.assign) if self.fail is not None else None
-            if reason is not None:
-                self.failed.append(msg.assign.request_key)
-                self.send(aborted=pb.Aborted(request_key=msg.assign.request_key, reason=reason))
-                return
-            self.assignments[msg.assign.request_key] = msg.assign
-            if self.auto:
-                self.complete(msg.assign.request_key)
+            self._assign(msg.assign)
+        elif kind == "assigns":
+            for a in msg.assigns.assignments:
+                self._assign(a)
         elif kind == "abort":
             self.assignments.pop(msg.abort.request_key, None)
         elif kind == "load_policy":
@@ -220,6 +218,16 @@ class FakeWorker:
             self.send(draft_result=pb.DraftResult(job_id=msg.draft_job.job_id, tokens=0, finished=True))
         elif kind == "control":
             self._control(msg.control)
+
+    def _assign(self, a: pb.Assignment) -> None:
+        reason = self.fail(a) if self.fail is not None else None
+        if reason is not None:
+            self.failed.append(a.request_key)
+            self.send(aborted=pb.Aborted(request_key=a.request_key, reason=reason))
+            return
+        self.assignments[a.request_key] = a
+        if self.auto:
+            self.complete(a.request_key)
 
     def _control(self, call: pb.ControlCall) -> None:
         self.controls.append(call)

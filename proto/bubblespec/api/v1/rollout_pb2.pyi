@@ -271,7 +271,7 @@ class CancelResponse(_message.Message):
     def __init__(self, cancelled_requests: _Optional[int] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("worker_id", "capacity", "policy_version", "max_model_len", "vocab_size", "model", "speculation", "logprobs_mode", "tensor_parallel_size")
+    __slots__ = ("worker_id", "capacity", "policy_version", "max_model_len", "vocab_size", "model", "speculation", "logprobs_mode", "tensor_parallel_size", "accepts_assign_batches")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -281,6 +281,7 @@ class Hello(_message.Message):
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_ASSIGN_BATCHES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     capacity: int
     policy_version: int
@@ -290,7 +291,8 @@ class Hello(_message.Message):
     speculation: bool
     logprobs_mode: str
     tensor_parallel_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., capacity: _Optional[int] = ..., policy_version: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model: _Optional[str] = ..., speculation: _Optional[bool] = ..., logprobs_mode: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    accepts_assign_batches: bool
+    def __init__(self, worker_id: _Optional[str] = ..., capacity: _Optional[int] = ..., policy_version: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model: _Optional[str] = ..., speculation: _Optional[bool] = ..., logprobs_mode: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., accepts_assign_batches: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("running", "tokens_per_second")
@@ -406,6 +408,12 @@ class Assignment(_message.Message):
     group_size: int
     def __init__(self, request_key: _Optional[str] = ..., step_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy_version: _Optional[int] = ..., use_drafts: _Optional[bool] = ..., group_size: _Optional[int] = ...) -> None: ...
 
+class AssignBatch(_message.Message):
+    __slots__ = ("assignments",)
+    ASSIGNMENTS_FIELD_NUMBER: _ClassVar[int]
+    assignments: _containers.RepeatedCompositeFieldContainer[Assignment]
+    def __init__(self, assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ...) -> None: ...
+
 class Abort(_message.Message):
     __slots__ = ("request_key",)
     REQUEST_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -465,17 +473,19 @@ class ControlResult(_message.Message):
     def __init__(self, call_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., json: _Optional[str] = ...) -> None: ...
 
 class SchedulerMessage(_message.Message):
-    __slots__ = ("assign", "abort", "load_policy", "draft_job", "stop_draft", "control")
+    __slots__ = ("assign", "abort", "load_policy", "draft_job", "stop_draft", "control", "assigns")
     ASSIGN_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
     LOAD_POLICY_FIELD_NUMBER: _ClassVar[int]
     DRAFT_JOB_FIELD_NUMBER: _ClassVar[int]
     STOP_DRAFT_FIELD_NUMBER: _ClassVar[int]
     CONTROL_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNS_FIELD_NUMBER: _ClassVar[int]
     assign: Assignment
     abort: Abort
     load_policy: LoadPolicy
     draft_job: DraftJob
     stop_draft: StopDraft
     control: ControlCall
-    def __init__(self, assign: _Optional[_Union[Assignment, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., load_policy: _Optional[_Union[LoadPolicy, _Mapping]] = ..., draft_job: _Optional[_Union[DraftJob, _Mapping]] = ..., stop_draft: _Optional[_Union[StopDraft, _Mapping]] = ..., control: _Optional[_Union[ControlCall, _Mapping]] = ...) -> None: ...
+    assigns: AssignBatch
+    def __init__(self, assign: _Optional[_Union[Assignment, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., load_policy: _Optional[_Union[LoadPolicy, _Mapping]] = ..., draft_job: _Optional[_Union[DraftJob, _Mapping]] = ..., stop_draft: _Optional[_Union[StopDraft, _Mapping]] = ..., control: _Optional[_Union[ControlCall, _Mapping]] = ..., assigns: _Optional[_Union[AssignBatch, _Mapping]] = ...) -> None: ...
