@@ -1,4 +1,4 @@
-"""``bubblespec bench``: the same synchronous RL steps under four arms, side by side, one run.
+"""``bubblespec bench``: the same synchronous RL steps under four arms, side by side.
 
 Arms (same workers, prompts, seeds and weight updates):
 
@@ -8,7 +8,9 @@ Arms (same workers, prompts, seeds and weight updates):
     bubblespec     shared queue + drafts + straggler watch
 
 Each arm starts from an empty draft store and no length history. Greedy decoding, so that
-exactness is checked token by token against the baseline. Tells a short story (vLLM's output goes
+exactness is checked token by token against the baseline. ``--runs N`` runs the four arms N
+times on the same engines (run r starts with the r-th arm, so no arm always goes first) and
+reports each run's ratios and their medians. Tells a short story (vLLM's output goes
 to a log file unless ``--verbose``), ends with the table and what it means; writes JSON.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -68,6 +71,13 @@ class BenchConfig:
     scheduler's ``max_draft_jobs_during_step``; -1 = its default, 16, the same width as after
     the step). Measured with 0, 2 and 16 on this machine (docs/BENCHMARKS.md)."""
     seed: int = 0
+    runs: int = 1
+    """Times every arm runs (on the same engines, arm order rotated per run); the table gives
+    each run's speedup and their median."""
+
+    def __post_init__(self) -> None:
+        if self.runs < 1:
+            raise ValueError(f"runs must be >= 1, got {self.runs}")
 
 
 def _step_row(arm: str, step: int, r: StepResult) -> dict:
@@ -146,7 +156,8 @@ def summarize(rows: list[dict], exact: dict[str, bool], first_step: int = 2) -> 
     """Per arm, medians over steps >= first_step; speedup = median of per-step ratios to baseline."""
     base = {r["step"]: r["makespan_seconds"] for r in rows if r["arm"] == "baseline"}
     table = []
-    for arm in dict.fromkeys(r["arm"] for r in rows):
+    names = [a.name for a in ARMS]
+    for arm in sorted(dict.fromkeys(r["arm"] for r in rows), key=lambda a: names.index(a) if a in names else len(names)):
         mine = [r for r in rows if r["arm"] == arm and r["step"] >= first_step] or \
                [r for r in rows if r["arm"] == arm]
         by_source: dict[str, list[int]] = {}
@@ -178,14 +189,17 @@ def table_lines(table: list[dict]) -> list[str]:
     lines = [header]
     for t in table:
         acc = ", ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(t["acceptance_by_source"].items())) or "-"
+        runs = t.get("speedup_runs", [])
+        each = f"  runs {' '.join(f'{x:.2f}x' for x in runs)}" if len(runs) > 1 else ""
         lines.append(f"{t['arm']:>13} {t['makespan_seconds_median']:8.2f}s {t['speedup_median']:7.2f}x "
                      f"{t['forward_passes_per_token']:8.3f} {t['accepted_per_forward_pass']:8.2f} "
-                     f"{100 * t['bubble_share']:6.1f}% {100 * t['drafting_share']:7.1f}% {t['exact']!s:>6}  {acc}")
+                     f"{100 * t['bubble_share']:6.1f}% {100 * t['drafting_share']:7.1f}% {t['exact']!s:>6}  {acc}{each}")
     return lines
 
 
 NUMBERS_EXPLAINED = """\
-What the numbers mean (medians over steps >= 2: step 1 has no length history and no drafts announced before it):
+What the numbers mean (medians over steps >= 2: step 1 has no length history and no drafts announced before it;
+  with --runs, the median over runs of each run's figure, and each run's speedup after the table):
   speedup = the baseline's step time / the arm's; fwd/tok = engine forward passes per generated token (1.000 without
   drafts, lower when draft tokens were accepted); acc/fwd = accepted draft tokens per forward pass; bubble = share of
   worker time idle in the step; exact = every completion token for token the baseline's (greedy decoding)."""
@@ -204,7 +218,9 @@ def verdict(table: list[dict]) -> str:
 
 
 async def run_bench(cluster, prompts: list[list], base_model: str, cfg: BenchConfig, say=print) -> dict:
-    """Run every arm on ``cluster``, a line per step to ``say``; return the JSON-able report."""
+    """Run every arm ``cfg.runs`` times on ``cluster``, a line per step to ``say``; return the
+    JSON-able report: every step's row (with its ``run``), a table per run, and the summary
+    (per arm, the median over runs)."""
     from bubblespec.bench.tiny_model import perturb_weights
 
     rows, outputs = [], {}
@@ -217,17 +233,39 @@ async def run_bench(cluster, prompts: list[list], base_model: str, cfg: BenchCon
         stores = [agent.store for agent in cluster.agents]
         try:
             async with AsyncRolloutClient(cluster.target) as client:
-                for arm in ARMS:
-                    version0 = cluster.scheduler.core.policy_version + 1
-                    arm_rows, outputs[arm.name] = await _run_arm(cluster, client, arm, prompts, weights, cfg, version0, say)
-                    rows += arm_rows
+                for run in range(cfg.runs):
+                    if cfg.runs > 1:
+                        say(f" run {run + 1} of {cfg.runs}:")
+                    for arm in ARMS[run % len(ARMS):] + ARMS[:run % len(ARMS)]:
+                        version0 = cluster.scheduler.core.policy_version + 1
+                        arm_rows, outputs[run, arm.name] = await _run_arm(cluster, client, arm, prompts, weights, cfg,
+                                                                          version0, say)
+                        rows += [{**r, "run": run + 1} for r in arm_rows]
         finally:
             for agent, store in zip(cluster.agents, stores):
                 agent.store = store
-    exact = {arm: outputs[arm] == outputs["baseline"] for arm in outputs}
-    table = summarize(rows, exact)
+    # greedy: every run of every arm must give the first baseline run's tokens
+    exact = {arm.name: all(outputs[run, arm.name] == outputs[0, "baseline"] for run in range(cfg.runs)) for arm in ARMS}
+    per_run = [summarize([r for r in rows if r["run"] == run + 1], exact) for run in range(cfg.runs)]
     return {"config": cfg.__dict__, "workers": len(cluster.agents), "seconds": time.monotonic() - started,
-            "steps": rows, "summary": table}
+            "steps": rows, "runs": per_run, "summary": combine_runs(per_run)}
+
+
+def combine_runs(per_run: list[list[dict]]) -> list[dict]:
+    """Per arm, the median over runs of each run's figures; ``speedup_runs``: each run's speedup.
+    Acceptance by source pools the runs' medians the same way; ``exact`` holds only if it held
+    in every run."""
+    table = []
+    for first in per_run[0]:
+        mine = [t for run in per_run for t in run if t["arm"] == first["arm"]]
+        row = {k: statistics.median(t[k] for t in mine) for k, v in first.items() if isinstance(v, float)}
+        sources = {src for t in mine for src in t["acceptance_by_source"]}
+        row.update(arm=first["arm"], exact=all(t["exact"] for t in mine),
+                   acceptance_by_source={src: statistics.median(t["acceptance_by_source"].get(src, 0.0) for t in mine)
+                                         for src in sources},
+                   speedup_runs=[t["speedup_median"] for t in mine])
+        table.append(row)
+    return table
 
 
 def bench_prompts(cfg: BenchConfig) -> list[list]:
@@ -267,7 +305,7 @@ def _config(args) -> BenchConfig:
     return BenchConfig(steps=3 if args.quick else args.steps, prompts=16 if args.quick else args.prompts,
                        samples=args.samples, max_tokens=args.max_tokens, lookahead_steps=args.lookahead_steps,
                        train_seconds=args.train_seconds, update_scale=args.update_scale, seed=args.seed,
-                       draft_jobs_during_step=args.draft_jobs_during_step)
+                       draft_jobs_during_step=args.draft_jobs_during_step, runs=args.runs)
 
 
 def _tell_results(say, report: dict, cfg: BenchConfig) -> None:
@@ -288,7 +326,11 @@ def main(args) -> int:
     from bubblespec.scheduler.core.state import CoreSettings
     from bubblespec.scheduler.settings import SchedulerSettings
 
-    cfg = _config(args)
+    try:
+        cfg = _config(args)
+    except ValueError as e:
+        print(f"bubblespec bench: {e}", file=sys.stderr)
+        return 2
 
     async def go(story) -> None:
         started = time.monotonic()

@@ -132,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(bench, "seed", 0, "workload seed")
     _add(bench, "draft-jobs-during-step", -1, "draft jobs per idle worker while others still run the step "
                                              "(-1 = the scheduler's default, 16; full width after the step)")
+    _add(bench, "runs", 1, "times every arm runs on the same engines (arm order rotated per run); "
+         "the table gives each run's speedup and their median")
     _add(bench, "json", "", "write the report here")
     bench.add_argument("--quick", action="store_true", help="3 steps x 16 prompts (a few minutes)")
     _verbose_flag(bench)

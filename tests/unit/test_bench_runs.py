@@ -1,0 +1,53 @@
+"""``bubblespec bench --runs N``: each run's table, their medians, and exactness over runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from bubblespec.cli.bench import BenchConfig, combine_runs, summarize, table_lines
+from bubblespec.cli.main import main
+
+
+def _row(arm: str, step: int, makespan: float, run: int = 1) -> dict:
+    return {"arm": arm, "step": step, "run": run, "makespan_seconds": makespan, "forward_passes_per_token": 1.0,
+            "accepted_per_forward_pass": 0.0, "bubble_share": 0.1, "drafting_worker_seconds": 0.0,
+            "busy_worker_seconds": 1.0, "idle_worker_seconds": 0.0,
+            "by_source": {"future": {"accepted": 3, "drafted": 4}} if arm == "bubblespec" else {}}
+
+
+def _run(base: float, fast: float, order: list[str], run: int) -> list[dict]:
+    times = {"baseline": base, "queue": base, "static+drafts": base, "bubblespec": fast}
+    return [_row(arm, step, times[arm], run) for arm in order for step in (1, 2, 3)]
+
+
+def test_each_runs_speedup_is_kept_and_the_summary_is_their_median():
+    exact = dict.fromkeys(["baseline", "queue", "static+drafts", "bubblespec"], True)
+    order = ["baseline", "queue", "static+drafts", "bubblespec"]
+    runs = [summarize(_run(10.0, 5.0, order, 1), exact),
+            summarize(_run(9.0, 9.0, order[1:] + order[:1], 2), exact),  # rotated: the table keeps ARMS order
+            summarize(_run(12.0, 4.0, order[2:] + order[:2], 3), exact)]
+    assert [t["arm"] for t in runs[1]] == order
+    table = {t["arm"]: t for t in combine_runs(runs)}
+    assert table["bubblespec"]["speedup_runs"] == [2.0, 1.0, 3.0]
+    assert table["bubblespec"]["speedup_median"] == 2.0
+    assert table["bubblespec"]["makespan_seconds_median"] == 5.0
+    assert table["bubblespec"]["acceptance_by_source"] == {"future": 0.75}
+    assert table["baseline"]["speedup_runs"] == [1.0, 1.0, 1.0]
+    assert "runs 2.00x 1.00x 3.00x" in table_lines(list(table.values()))[-1]
+
+
+def test_an_arm_inexact_in_any_run_is_inexact():
+    order = ["baseline", "queue", "static+drafts", "bubblespec"]
+    ok = dict.fromkeys(order, True)
+    bad = {**ok, "queue": False}
+    table = {t["arm"]: t for t in combine_runs([summarize(_run(10.0, 5.0, order, 1), ok),
+                                                summarize(_run(10.0, 5.0, order, 2), bad)])}
+    assert table["queue"]["exact"] is False
+    assert table["bubblespec"]["exact"] is True
+
+
+def test_runs_below_one_is_refused_naming_the_flag(capsys):
+    with pytest.raises(ValueError, match="runs"):
+        BenchConfig(runs=0)
+    assert main(["bench", "--runs", "0"]) == 2
+    assert "runs must be >= 1" in capsys.readouterr().err
