@@ -75,7 +75,30 @@ def _parser() -> argparse.ArgumentParser:
                    help="run seeds --seed .. --seed+N-1; a row shows medians over them and each seed's speedup")
     p.add_argument("--tail", type=int, default=0,
                    help="makespan attribution: print the last N requests of every reported step (0: off)")
+    p.add_argument("--ceiling", default="",
+                   help="comma-separated extra drafts per prompt, e.g. 0,8,32,128: print the makespan bound no policy "
+                        "can beat with every draft the planner could make complete plus that many more per prompt, and "
+                        "the self-draft acceptance 1.8x would need (bench/sim/ceiling.py); '': off")
     return p
+
+
+def ceiling_lines(args, workload: Workload, acceptance: AcceptanceModel, requests: int, target: float = 1.8) -> list[str]:
+    """``--ceiling``: per reported step and drafts per prompt, the bound of ``ceiling.step_ceiling``."""
+    from bubblespec.bench.sim.ceiling import step_ceiling
+
+    prompts = requests // args.samples
+    lines = [f"ceiling, {requests} requests/step, seed {args.seed} (bench/sim/ceiling.py: every request alone at "
+             f"batch 1, best draft length, the longest of the planner's drafts, N more, or its siblings, at its own acceptance)",
+             f"  {'step':>4} {'drafts':>6} {'floor_s':>8} {'no-draft':>8} {'bound':>6}  {'binding request':<34} "
+             f"self-draft acceptance for {target}x"]
+    for step in range(1, args.steps):
+        for n in (int(x) for x in args.ceiling.split(",") if x):
+            c = step_ceiling(workload, acceptance, PROFILES[args.profile], args.seed, step, prompts, args.samples, n, target)
+            name, length, covered, alpha = c.binding
+            need = "none reaches it" if c.suffix_needed is None else f"{c.suffix_needed:.2f}"
+            lines.append(f"  {step:>4} {n:>6} {c.floor_seconds:8.1f} {c.no_draft_floor_seconds:8.1f} {c.speedup:5.2f}x  "
+                         f"{f'{name} {length} tok, {covered} drafted, a={alpha}':<34} {need}")
+    return lines
 
 
 def _policy(name: str) -> tuple[str, bool]:
@@ -161,6 +184,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_table(rows))
     for t in tails:
         print(t)
+    if args.ceiling:
+        for n in dict.fromkeys(requests_for(w, args.requests, args.samples) for w in workers):
+            print("\n".join(ceiling_lines(args, workload, acceptance, n)))
     print(f"total {time.perf_counter() - started:.0f} s", flush=True)
     return 0
 

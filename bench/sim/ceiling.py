@@ -1,0 +1,116 @@
+"""The most any draft planner can buy a step under the simulator's models: a makespan bound.
+
+A request cannot finish faster than it would alone on a worker (batch 1, no prefill queue),
+drafting at every pass the draft length that maximizes its tokens per second
+(``best_rate``) over the part of its response a draft covers, and decoding one token per
+pass past it. The step cannot end before its slowest request does, so the largest such
+floor over the step's requests bounds the makespan of every policy from below, whatever it
+drafts, when and where.
+
+Drafts are what the workload model says they are: another sample of the prompt (a ``future``
+draft drawn like a sample, or a finished sibling). ``step_ceiling`` gives every prompt every
+draft the simulated planner could make for it (its ``Workload.draft_samples`` lengths, all
+complete) plus ``drafts`` more complete drafts, fresh draws of the length model, and lets
+every request use the longest of them or of its siblings, at its own ``future`` acceptance. That is generous on every
+count, so ``speedup`` (the no-draft floor over this floor) is an upper bound on what more or
+earlier drafts can buy; ``suffix_needed`` is the per-token acceptance that a self-draft
+source covering the rest of every response (``AcceptanceModel.suffix``) would need for the
+bound to reach a target speedup.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from bubblespec.bench.sim.costs import CostProfile
+from bubblespec.bench.sim.workload import AcceptanceModel, Workload, expected_accepted
+
+__all__ = ["Ceiling", "best_rate", "step_ceiling"]
+
+
+def best_rate(alpha: float, profile: CostProfile, most: int) -> float:
+    """Tokens per second of a request alone on a worker drafting at per-token acceptance
+    ``alpha``, at the draft length (0..``most``) that makes the most of it."""
+    return max((1 + expected_accepted(alpha, k)) / profile.step_seconds(1, k) for k in range(most + 1))
+
+
+def _best_rates(alphas: np.ndarray, profile: CostProfile, most: int) -> np.ndarray:
+    """``best_rate`` of each of ``alphas`` (the same sums, for a step's requests at once)."""
+    k = np.arange(most + 1)
+    a = np.clip(alphas, 0.0, 0.999999)[:, None]
+    accepted = a * (1 - a ** k) / (1 - a)
+    seconds = np.array([profile.step_seconds(1, int(j)) for j in k])
+    return ((1 + accepted) / seconds).max(axis=1)
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    """The bound for one step with ``drafts`` complete drafts per prompt."""
+
+    drafts: int
+    floor_seconds: float
+    """The largest per-request floor: no schedule's makespan is below it."""
+    no_draft_floor_seconds: float
+    """The same without any draft (the longest response at one token per pass)."""
+    binding: tuple[str, int, int, float]
+    """(request, length, tokens covered by its best draft, its acceptance) of the largest floor."""
+    suffix_needed: float | None
+    """Self-draft acceptance past the drafts for ``floor`` to reach the target (None: not even 0.99)."""
+
+    @property
+    def speedup(self) -> float:
+        return self.no_draft_floor_seconds / self.floor_seconds
+
+
+def _floors(lengths: np.ndarray, covered: np.ndarray, rates: np.ndarray, rest_rate: float, prefill: float) -> np.ndarray:
+    """Per request: prefill, the covered tokens at the better of the draft's rate and
+    ``rest_rate``, the rest at ``rest_rate``."""
+    return prefill + covered / np.maximum(rates, rest_rate) + (lengths - covered) / rest_rate
+
+
+def step_ceiling(workload: Workload, acceptance: AcceptanceModel, profile: CostProfile, seed: int, step: int,
+                 prompts: int, samples: int, drafts: int, target: float = 1.8) -> Ceiling:
+    """The bound for step ``step`` of seed ``seed`` (the simulator's very requests) when every
+    prompt has ``drafts`` complete drafts; ``target``: the speedup ``suffix_needed`` aims at."""
+    lm, most = workload.lengths, acceptance.max_draft_tokens
+    rng = np.random.default_rng([seed, step, drafts, 7])  # the drafts' own draws, apart from the workload's
+    names, lengths, covered, alphas = [], [], [], []
+    for p in workload.step(seed, step, prompts, samples):
+        # the drafts the simulated planner can make (``p.draft_z``) and ``drafts`` fresh ones
+        longest = max(lm.length(p.scale, float(z)) for z in (*p.draft_z, *rng.standard_normal(drafts)))
+        for i, (n, z) in enumerate(zip(p.lengths, p.accept_z)):
+            sibling = max((m for j, m in enumerate(p.lengths) if j != i), default=0)
+            names.append(f"{p.prompt_id}/{i}")
+            lengths.append(n)
+            covered.append(min(n, max(longest, sibling)))
+            alphas.append(acceptance.alpha("future", z))
+    L, C = np.array(lengths, dtype=float), np.array(covered, dtype=float)
+    rates = _best_rates(np.array(alphas), profile, most)
+    plain = 1 / profile.step_seconds(1)
+    prefill = profile.prefill_seconds(workload.prompt_tokens)
+    floors = _floors(L, C, rates, plain, prefill)
+    worst = int(np.argmax(floors))
+    no_draft = prefill + float(L.max()) / plain
+    return Ceiling(drafts, float(floors[worst]), no_draft, (names[worst], lengths[worst], covered[worst],
+                                                             round(alphas[worst], 2)),
+                   _suffix_needed(L, C, rates, profile, most, prefill, no_draft / target))
+
+
+def _suffix_needed(L: np.ndarray, C: np.ndarray, rates: np.ndarray, profile: CostProfile, most: int,
+                   prefill: float, goal_seconds: float) -> float | None:
+    """Smallest self-draft acceptance (to 0.01) whose best rate past the drafts brings every
+    floor under ``goal_seconds``, or None."""
+    def fits(alpha: float) -> bool:
+        return float(_floors(L, C, rates, best_rate(alpha, profile, most), prefill).max()) <= goal_seconds
+
+    if fits(0.0):
+        return 0.0
+    if not fits(0.99):
+        return None
+    lo, hi = 0.0, 0.99
+    while hi - lo > 0.005:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return round(hi, 2)
