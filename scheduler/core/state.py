@@ -27,6 +27,7 @@ from bubblespec.client.types import LOGPROBS_MODES, Completion, Provenance, Samp
 from bubblespec.scheduler.core.balance import Balancer
 from bubblespec.scheduler.core.checks import check_completion
 from bubblespec.scheduler.core.drafting import DraftPlanner, draft_seed, job_sampling
+from bubblespec.scheduler.core.probes import by_probes, probe_first
 from bubblespec.scheduler.core.events import (
     Aborted,
     Completed,
@@ -306,7 +307,8 @@ class SchedulerCore(CoreView):
             for i, keys in enumerate(_split(order, len(live))):
                 live[i].private.extend(keys)
         else:
-            step.shared.extend(order)
+            room = sum(max(0, w.capacity - len(w.running)) for w in live)
+            step.shared.extend(probe_first(order, reqs) if len(order) > room and spec.sampling.n > 1 else order)
         for p in spec.prompts:
             self.planner.forget(p.token_ids)
         for ids in spec.lookahead:
@@ -560,6 +562,9 @@ class SchedulerCore(CoreView):
             actions += self.remove_worker(w.hello.worker_id, f"worker {silent} while running it")
         for step in [s for s in self.steps.values() if s.active and s.spec.straggler_watch]:
             actions += self._rebalance(step, now)
+        for step in self.steps.values():  # multi-wave queues: what the probes say (core/probes.py)
+            if step.active and step.spec.sampling.n > 1 and step.spec.policy is not SchedulingPolicy.STATIC:
+                by_probes(step, self._predicted)
         return actions
 
     def _rebalance(self, step: StepState, now: float) -> list[Action]:

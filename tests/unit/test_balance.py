@@ -48,17 +48,7 @@ def test_before_any_history_longer_prompts_are_spread_by_prompt_length():
     assert per[long_worker] == ["p0"]
 
 
-def test_sample_groups_stay_together_and_every_request_runs_once():
-    core, _ = make_core()
-    core.add_worker(hello("a", capacity=4))
-    core.add_worker(hello("b", capacity=4))
-    prompts = [tuple(range(5, 5 + 2 + 3 * i)) for i in range(6)]  # 6 prompts x 2 samples, capacity for 8
-    assigns = of(core.submit_step(prompts_step("s", prompts, n=2)), Assign)
-    assert len(assigns) == 8 and {w: len(ids) for w, ids in split(assigns).items()} == {"a": 4, "b": 4}
-    workers = {}
-    for a in assigns:
-        workers.setdefault(a.request.prompt_id, set()).add(a.worker_id)
-    assert all(len(ws) == 1 for ws in workers.values())  # a prompt's samples on one worker
+def _run_to_the_end(core, assigns) -> list[str]:
     pending, finished, seen = list(assigns), [], []
     while pending:
         a = pending.pop(0)
@@ -66,7 +56,35 @@ def test_sample_groups_stay_together_and_every_request_runs_once():
         actions = complete(core, a)
         pending += of(actions, Assign)
         finished += of(actions, StepFinished)
-    assert sorted(seen) == sorted(set(seen)) and len(seen) == 12 and finished
+    assert finished
+    return seen
+
+
+def test_where_the_step_fits_sample_groups_stay_together_and_every_request_runs_once():
+    core, _ = make_core()
+    core.add_worker(hello("a", capacity=6))
+    core.add_worker(hello("b", capacity=6))
+    prompts = [tuple(range(5, 5 + 2 + 3 * i)) for i in range(6)]  # 6 prompts x 2 samples, room for all 12
+    assigns = of(core.submit_step(prompts_step("s", prompts, n=2)), Assign)
+    assert len(assigns) == 12 and {w: len(ids) for w, ids in split(assigns).items()} == {"a": 6, "b": 6}
+    workers = {}
+    for a in assigns:
+        workers.setdefault(a.request.prompt_id, set()).add(a.worker_id)
+    assert all(len(ws) == 1 for ws in workers.values())  # a prompt's samples on one worker
+    seen = _run_to_the_end(core, assigns)
+    assert sorted(seen) == sorted(set(seen)) and len(seen) == 12
+
+
+def test_where_the_step_does_not_fit_one_sample_of_every_prompt_starts_first_and_every_request_runs_once():
+    core, _ = make_core()
+    core.add_worker(hello("a", capacity=4))
+    core.add_worker(hello("b", capacity=4))
+    prompts = [tuple(range(5, 5 + 2 + 3 * i)) for i in range(6)]  # 6 prompts x 2 samples, room for 8
+    assigns = of(core.submit_step(prompts_step("s", prompts, n=2)), Assign)
+    assert len(assigns) == 8 and {w: len(ids) for w, ids in split(assigns).items()} == {"a": 4, "b": 4}
+    assert {a.request.prompt_id for a in assigns} == {f"p{i}" for i in range(6)}  # every prompt's probe runs
+    seen = _run_to_the_end(core, assigns)
+    assert sorted(seen) == sorted(set(seen)) and len(seen) == 12
 
 
 def test_where_the_whole_queue_starts_now_the_longest_is_placed_first():
@@ -116,3 +134,22 @@ def test_no_drafting_while_a_step_runs_when_its_width_is_zero():
     after = complete(core, second)
     assert of(after, StepFinished)
     assert {d.job.prompt_token_ids for d in of(after, StartDraft)} == set(lookahead)
+
+
+def test_the_queued_samples_of_a_prompt_whose_probe_runs_long_go_first():
+    """One worker with room for 3 of 3 prompts x 2 samples: the probes run; p2's has made 50
+    tokens, p1's 30, p0's none. The freed slots go to p2's sibling, then p1's, though p0's
+    sibling is first in the submitted order."""
+    from bubblespec.scheduler.core.events import Progress
+
+    core, _ = make_core()
+    core.add_worker(hello("a", capacity=3))
+    first = of(core.submit_step(prompts_step("s", [(5, 6), (5, 7), (5, 8)], n=2)), Assign)
+    assert sorted(a.request.prompt_id for a in first) == ["p0", "p1", "p2"]
+    probe = {a.request.prompt_id: a for a in first}
+    core.handle(Progress("a", probe["p2"].request.key, 50))
+    core.handle(Progress("a", probe["p1"].request.key, 30))
+    core.tick()
+    assert [a.request.prompt_id for a in of(complete(core, probe["p0"], tokens=10), Assign)] == ["p2"]
+    assert [a.request.prompt_id for a in of(complete(core, probe["p2"], tokens=60), Assign)] == ["p1"]
+    assert [a.request.prompt_id for a in of(complete(core, probe["p1"], tokens=40), Assign)] == ["p0"]
