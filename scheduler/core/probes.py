@@ -9,12 +9,14 @@ order of what the probes say (``by_probes``, each tick): a prompt whose probe fi
 goes back, one whose probe still runs (and has produced more than the others' whole
 responses) goes forward. The prediction of a prompt is the larger of the core's length
 history (which records each delivered sample) and the progress of its longest-running
-sample; requests of one prompt keep their order (a stable sort). A step that fits in the free
+sample; requests of one prompt keep their order (a stable sort), and requests moved off a
+slow worker or requeued after a failure stay in front, where the core put them. A step that fits in the free
 slots at once is left alone: every request starts now, and the balancer places them.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Iterable
 
@@ -50,7 +52,10 @@ def by_probes(step: StepState, predicted: Callable[[tuple[int, ...]], float]) ->
     memo: dict[str, float] = {}
 
     def key(k: str) -> float:
-        spec = step.requests[k].spec
+        req = step.requests[k]
+        if req.moved_from is not None or req.failures:
+            return -math.inf  # moved off a slow worker or requeued after a failure: it stays in front
+        spec = req.spec
         value = memo.get(spec.prompt_id)
         if value is None:
             guess = max(predicted(spec.prompt_token_ids), float(running.get(spec.prompt_id, 0)))

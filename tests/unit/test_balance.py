@@ -153,3 +153,19 @@ def test_the_queued_samples_of_a_prompt_whose_probe_runs_long_go_first():
     assert [a.request.prompt_id for a in of(complete(core, probe["p0"], tokens=10), Assign)] == ["p2"]
     assert [a.request.prompt_id for a in of(complete(core, probe["p2"], tokens=60), Assign)] == ["p1"]
     assert [a.request.prompt_id for a in of(complete(core, probe["p1"], tokens=40), Assign)] == ["p0"]
+
+
+def test_reordering_by_probes_keeps_a_requeued_request_in_front():
+    from bubblespec.scheduler.core.events import Progress
+    from bubblespec.scheduler.core.probes import by_probes
+
+    core, _ = make_core()
+    core.add_worker(hello("a", capacity=3))
+    first = of(core.submit_step(prompts_step("s", [(5, 6), (5, 7), (5, 8)], n=2)), Assign)
+    probe = {a.request.prompt_id: a for a in first}
+    core.handle(Progress("a", probe["p2"].request.key, 50))
+    step = core.steps["s"]
+    requeued = next(k for k in step.shared if step.requests[k].spec.prompt_id == "p0")  # by probes: last
+    step.requests[requeued].failures.append(("b", "engine error"))
+    by_probes(step, core.history.predicted)
+    assert step.shared[0] == requeued and len(step.shared) == 3
