@@ -277,4 +277,10 @@ if __name__ == "__main__":
     import logging
 
     logging.basicConfig(level=logging.ERROR, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_serve(json.loads(sys.argv[1])))
+    _config = json.loads(sys.argv[1])
+    if os.environ.get("BUBBLESPEC_LOADTEST_WORKER_PROFILE"):  # diagnosis: cProfile of each worker process, at exit
+        import cProfile
+
+        cProfile.run("asyncio.run(_serve(_config))", f"{os.environ['BUBBLESPEC_LOADTEST_WORKER_PROFILE']}.{_config['first']}")
+    else:
+        asyncio.run(_serve(_config))

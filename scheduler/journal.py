@@ -42,6 +42,7 @@ from google.protobuf.message import DecodeError
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.client import _convert as cv
 from bubblespec.client.types import Completion
+from bubblespec.scheduler.wire import completion_pb
 from bubblespec.store import StoreSettings
 
 __all__ = ["MAC_BYTES", "MIN_SECRET_BYTES", "StepJournal"]
@@ -119,7 +120,9 @@ class StepJournal:
 
     def save_completion(self, key: str, completion: Completion, encoded: bytes | None = None) -> None:
         """``encoded``: ``completion`` as serialized ``pb.Completion`` bytes, when the caller has them."""
-        blob = encoded if encoded is not None else cv.completion_to_pb(completion).SerializeToString()
+        if encoded is None:  # encoded once: the trainer's stream takes the same message (wire.completion_pb)
+            encoded = completion_pb(completion, keep=True).SerializeToString()
+        blob = encoded
         step_key = self._step_key(completion.step_id)
         self._writes.put_nowait(("hset", step_key, key, self._seal(step_key, key, blob)))
 

@@ -8,6 +8,7 @@ health NOT_SERVING, drain running steps, ``stop(grace)``.
 from __future__ import annotations
 
 import asyncio
+import gc
 import ipaddress
 import logging
 import signal
@@ -68,6 +69,7 @@ class Scheduler:
 
     async def start(self) -> None:
         s = self.settings
+        _tune_gc()
         if self.service.journal is not None:
             self.service.journal.start()
             await self.service.journal.check_eviction()
@@ -228,3 +230,18 @@ async def serve(settings: SchedulerSettings) -> None:
 
 def run(settings: SchedulerSettings) -> None:
     asyncio.run(serve(settings))
+
+
+GC_YOUNG_THRESHOLD = 50_000
+"""Allocations between two young-generation collections in a process that serves a scheduler
+(Python's default is 700). The scheduler keeps the completions of its last steps alive (many
+long-lived objects) and allocates several objects per completion: with the default, collections
+that end up scanning the kept steps cost about a fifth of its Python time per completion."""
+
+
+def _tune_gc() -> None:
+    """Raise the young-generation threshold to ``GC_YOUNG_THRESHOLD`` (never lower one already
+    set higher); the older generations keep their thresholds, so cycles are still collected."""
+    young, *older = gc.get_threshold()
+    if young < GC_YOUNG_THRESHOLD:
+        gc.set_threshold(GC_YOUNG_THRESHOLD, *older)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.client import _convert as cv
-from bubblespec.client.types import Completion, StepSummary
+from bubblespec.client.types import Completion, SamplingParams, StepSummary
 from bubblespec.scheduler.core.events import (
     Aborted,
     Completed,
@@ -27,7 +27,16 @@ from bubblespec.scheduler.core.events import (
     WorkerEvent,
     WorkerSeen,
 )
-from bubblespec.scheduler.core.types import Abort, Action, Assign, InvalidRequest, LoadPolicy, StartDraft, StopDraft
+from bubblespec.scheduler.core.types import (
+    Abort,
+    Action,
+    Assign,
+    InvalidRequest,
+    LoadPolicy,
+    RequestSpec,
+    StartDraft,
+    StopDraft,
+)
 
 if TYPE_CHECKING:
     from bubblespec.scheduler.service import SchedulerService
@@ -82,7 +91,48 @@ def worker_event(worker_id: str, msg: pb.WorkerMessage) -> WorkerEvent:
 
 
 def _completed(worker_id: str, wc: pb.WorkerCompletion) -> Completed:
+    wc.completion.worker_id = worker_id  # stamped here, whatever it claims: the core need not copy it
     return Completed(worker_id, wc.request_key, cv.completion_from_pb(wc.completion))
+
+
+_SAMPLING_MEMO_MAX = 64
+_sampling_memo: dict[int, tuple[SamplingParams, pb.SamplingParams]] = {}
+
+
+def _sampling_pb(sampling: SamplingParams) -> pb.SamplingParams:
+    """``sampling`` as protobuf, built once per object: a step's requests share a few
+    ``SamplingParams`` objects (one per sample index and token budget), so each assignment
+    copies an encoded one instead of encoding it again."""
+    hit = _sampling_memo.get(id(sampling))
+    if hit is not None and hit[0] is sampling:
+        return hit[1]
+    msg = cv.sampling_to_pb(sampling)
+    if len(_sampling_memo) >= _SAMPLING_MEMO_MAX:
+        del _sampling_memo[next(iter(_sampling_memo))]
+    _sampling_memo[id(sampling)] = (sampling, msg)  # the reference keeps the id from being reused
+    return msg
+
+
+COMPLETION_MEMO_MAX = 1024
+"""Most delivered completions whose encoding waits for the trainer's stream (``completion_pb``):
+far fewer than the kept steps' completions the core holds anyway."""
+_completion_memo: dict[int, tuple[Completion, pb.Completion]] = {}
+
+
+def completion_pb(c: Completion, keep: bool = False) -> pb.Completion:
+    """``c`` as protobuf, encoded once per delivery: the journal encodes it with ``keep`` (the
+    trainer's stream will want it next), the stream's first use takes the kept encoding
+    (``generate_responses``). At most ``COMPLETION_MEMO_MAX`` wait, the oldest dropped first
+    (encoded again if a stream asks for it later); never mutate what this returns."""
+    hit = _completion_memo.pop(id(c), None)
+    if hit is not None and hit[0] is c:
+        return hit[1]
+    msg = cv.completion_to_pb(c)
+    if keep:
+        if len(_completion_memo) >= COMPLETION_MEMO_MAX:
+            del _completion_memo[next(iter(_completion_memo))]
+        _completion_memo[id(c)] = (c, msg)  # the reference keeps the id from being reused
+    return msg
 
 
 def scheduler_message(item: Action | pb.SchedulerMessage) -> pb.SchedulerMessage:
@@ -92,11 +142,7 @@ def scheduler_message(item: Action | pb.SchedulerMessage) -> pb.SchedulerMessage
         case pb.SchedulerMessage():
             return item
         case Assign(_, req):
-            return pb.SchedulerMessage(assign=pb.Assignment(
-                request_key=req.key, step_id=req.step_id, prompt_id=req.prompt_id,
-                sample_index=req.sample_index, prompt_token_ids=list(req.prompt_token_ids),
-                sampling=cv.sampling_to_pb(req.sampling), policy_version=req.policy_version,
-                use_drafts=req.use_drafts, group_size=req.group_size))
+            return pb.SchedulerMessage(assign=_assignment(req))
         case Abort(_, key):
             return pb.SchedulerMessage(abort=pb.Abort(request_key=key))
         case LoadPolicy(_, version, path):
@@ -110,6 +156,14 @@ def scheduler_message(item: Action | pb.SchedulerMessage) -> pb.SchedulerMessage
     raise TypeError(f"not a worker message: {item!r:.80}")
 
 
+def _assignment(req: RequestSpec) -> pb.Assignment:
+    return pb.Assignment(
+        request_key=req.key, step_id=req.step_id, prompt_id=req.prompt_id,
+        sample_index=req.sample_index, prompt_token_ids=list(req.prompt_token_ids),
+        sampling=_sampling_pb(req.sampling), policy_version=req.policy_version,
+        use_drafts=req.use_drafts, group_size=req.group_size)
+
+
 def scheduler_messages(items: list, batch: bool, max_bytes: int = 0) -> Iterator[pb.SchedulerMessage]:
     """What a worker's outbox held at once, as its stream's messages, in order. With ``batch``
     (the worker's hello set ``accepts_assign_batches``) consecutive assignments go out as
@@ -121,17 +175,17 @@ def scheduler_messages(items: list, batch: bool, max_bytes: int = 0) -> Iterator
     group: list[pb.Assignment] = []
     size = 0
     for item in items:
-        msg = scheduler_message(item)
         if not batch or not isinstance(item, Assign):
             yield from _assign_group(group)
             group, size = [], 0
-            yield msg
+            yield scheduler_message(item)
             continue
-        n = msg.assign.ByteSize() + 6  # an entry's tag and length prefix take at most 6 bytes
+        a = _assignment(item.request)  # built once, copied once into the message that carries it
+        n = a.ByteSize() + 6  # an entry's tag and length prefix take at most 6 bytes
         if group and (len(group) >= ASSIGN_BATCH_MAX or size + n > cap - 16):
             yield from _assign_group(group)
             group, size = [], 0
-        group.append(msg.assign)
+        group.append(a)
         size += n
     yield from _assign_group(group)
 
@@ -140,7 +194,9 @@ def _assign_group(group: list[pb.Assignment]) -> Iterator[pb.SchedulerMessage]:
     if len(group) == 1:
         yield pb.SchedulerMessage(assign=group[0])
     elif group:
-        yield pb.SchedulerMessage(assigns=pb.AssignBatch(assignments=group))
+        msg = pb.SchedulerMessage()
+        msg.assigns.assignments.extend(group)
+        yield msg
 
 
 BATCH_BYTES = 2**20
@@ -159,7 +215,7 @@ def generate_responses(item: list[Completion] | StepSummary, batch: bool) -> Ite
     if isinstance(item, StepSummary):
         yield pb.GenerateResponse(summary=cv.summary_to_pb(item))
         return
-    encoded = [cv.completion_to_pb(c) for c in item]
+    encoded = [completion_pb(c) for c in item]
     if not batch:
         yield from (pb.GenerateResponse(completion=c) for c in encoded)
         return
@@ -168,9 +224,15 @@ def generate_responses(item: list[Completion] | StepSummary, batch: bool) -> Ite
     for c in encoded:
         n = c.ByteSize()
         if group and (len(group) >= BATCH_MAX or size + n > BATCH_BYTES):
-            yield pb.GenerateResponse(completions=pb.CompletionBatch(completions=group))
+            yield _completion_batch(group)
             group, size = [], 0
         group.append(c)
         size += n
     if group:
-        yield pb.GenerateResponse(completions=pb.CompletionBatch(completions=group))
+        yield _completion_batch(group)
+
+
+def _completion_batch(group: list[pb.Completion]) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse()
+    msg.completions.completions.extend(group)  # one copy of each, not one into a batch and one more into the response
+    return msg

@@ -60,6 +60,11 @@ class WorkerSettings:
     progress_seconds: float = 0.5
     """Shortest gap between two progress reports of one request. Reports wait up to this long to
     go out together: one message carries the progress of every request that reported meanwhile."""
+    completion_batch_seconds: float = 0.05
+    """Shortest gap between two completion messages: a completion that ends within this long of
+    the last one sent waits for the rest of the gap, and every completion queued meanwhile goes
+    with it in one ``completions`` batch (fewer, larger messages for the scheduler to read); one
+    that ends after a quieter spell goes at once. 0 = only those queued at the same moment."""
     reconnect_initial_seconds: float = 0.2
     """First reconnect delay; doubles up to reconnect_max_seconds."""
     reconnect_max_seconds: float = 2.0
@@ -194,19 +199,26 @@ class WorkerAgent:
                         accepts_assign_batches=True)
 
     async def _outgoing(self):
-        """The outbox as the stream's messages. Completions waiting at once (requests that
-        ended in the same engine step) go out as one ``completions`` batch, in order
-        (``_batch``): one gRPC message for the scheduler to read instead of one each."""
+        """The outbox as the stream's messages, in order. Completions waiting at once go out
+        as one ``completions`` batch (``_batch``): one gRPC message for the scheduler to read
+        instead of one each. A completion within ``completion_batch_seconds`` of the last
+        completion message waits out the gap first, so that those ending meanwhile join it."""
         pending = _NOTHING
+        gap = self.settings.completion_batch_seconds
+        last = -gap
         while True:
             msg = pending if pending is not _NOTHING else await self.outbox.get()
             pending = _NOTHING
             if msg is None:
                 return
             if msg.WhichOneof("kind") == "completion":
-                await asyncio.sleep(0)  # let the other requests that ended in this engine step queue theirs
+                # let the other requests that ended in this engine step (or within the gap) queue theirs;
+                # a full batch already waiting goes at once
+                full = self.outbox.qsize() >= BATCH_MAX
+                await asyncio.sleep(0.0 if full else max(0.0, last + gap - time.monotonic()))
                 if not self.outbox.empty():
                     msg, pending = _batch(msg, self.outbox)
+                last = time.monotonic()
             yield msg
 
     def _send(self, **kind) -> None:

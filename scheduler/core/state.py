@@ -414,7 +414,9 @@ class SchedulerCore(CoreView):
         req = self._owned(worker_id, key)
         if req is None:
             return [_not_running(worker_id, "completion", key)]
-        completion = check_completion(replace(completion, worker_id=worker_id), key, self.limits)
+        if completion.worker_id != worker_id:  # the wire stamps it already: copy only when it differs
+            completion = replace(completion, worker_id=worker_id)
+        completion = check_completion(completion, key, self.limits)
         wanted = req.spec.policy_version
         if completion.policy_version != wanted:  # made with other weights than asked
             wrong = f"completion from policy version {completion.policy_version}, not {wanted}"
