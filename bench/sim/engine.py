@@ -30,7 +30,7 @@ __all__ = ["Member", "SimulatedEngine"]
 _EPS = 1e-9
 
 
-@dataclass
+@dataclass(slots=True)  # slots: hundreds of thousands per run; cheaper to create and to read
 class Member:
     """A running request (``job=False``) or draft job (``job=True``) of a simulated engine."""
 
@@ -79,7 +79,8 @@ class Member:
     """Batch size when it joined, itself included (makespan attribution)."""
 
     def position(self, passes: float) -> float:
-        return min(float(self.length), self.pos0 + (passes - self.p0) * self.rate)
+        pos = self.pos0 + (passes - self.p0) * self.rate
+        return pos if pos < self.length else float(self.length)  # min(length, pos), inlined: a hot path
 
     def forward_passes(self, passes: float) -> int:
         return max(1, round(passes - self.joined))
@@ -104,7 +105,9 @@ class SimulatedEngine:
         self.plan_b = 0  # batch size the members' k were last planned at (the paying rule's bar)
         self.threshold = 0.0  # the paying rule's bar: a draft token's cost x the batch's tokens/s
         self.version = 0  # bumps on every commit: older scheduled events are stale
-        self._heap: list[tuple[float, int, str, int]] = []
+        # (target, seq, gen, member): an entry is stale once the member's gen moved on (a new phase,
+        # or it left the batch: ``remove`` bumps it too), so no lookup by key is needed to tell
+        self._heap: list[tuple[float, int, int, Member]] = []
         self._seq = itertools.count()
         self._pending: list[Member] = []
 
@@ -112,11 +115,13 @@ class SimulatedEngine:
 
     def advance(self, now: float) -> None:
         dt = now - self.at
-        if dt > 0 and self.members:
-            paid = min(dt, self.debt)
-            self.debt -= paid
-            self.passes += (dt - paid) / self.pass_seconds
-        self.at = max(self.at, now)
+        if dt > 0:  # now > at; called several times per event at the same ``now``, mostly with dt == 0
+            if self.members:
+                debt = self.debt
+                paid = debt if debt < dt else dt  # min(dt, debt)
+                self.debt = debt - paid
+                self.passes += (dt - paid) / self.pass_seconds
+            self.at = now
 
     def add(self, now: float, member: Member) -> list[Member]:
         """Add a request or a draft job; a request preempts all draft jobs (returned)."""
@@ -156,25 +161,27 @@ class SimulatedEngine:
         """Members whose last token falls at ``now`` (removed); drafts that ran out switch phase."""
         self.advance(now)
         done: list[Member] = []
+        heap, members, pop = self._heap, self.members, heapq.heappop  # locals: the simulator's hottest loop
         first = True
-        while self._heap:
-            target, _, key, gen = self._heap[0]
-            m = self.members.get(key)
-            if m is None or m.gen != gen or not m.started:
-                heapq.heappop(self._heap)
+        while heap:
+            target, _, gen, m = heap[0]
+            if m.gen != gen or not m.started:
+                pop(heap)
                 continue
             if not first and target > self.passes + _EPS * (1 + self.passes):
                 break
             first = False  # the scheduled event is due by construction (rounding aside)
-            heapq.heappop(self._heap)
-            self.passes = max(self.passes, target)
-            self._close_phase(m)
+            pop(heap)
+            if target > self.passes:
+                self.passes = target
+            if m.k:  # a phase without drafts has nothing to close
+                self._close_phase(m)
             self.draft_tokens -= m.k
             self.rate_sum -= m.rate
             m.pos0, m.p0 = m.position(target), target
             if m.pos0 >= m.length - _EPS:
                 m.pos0 = float(m.length)
-                del self.members[key]
+                del members[m.key]
                 done.append(m)
             else:
                 self._start_phase(m, drafts=False)
@@ -201,9 +208,8 @@ class SimulatedEngine:
             return None
         self.pass_seconds = self.profile.step_seconds(len(self.members), self.draft_tokens)
         while self._heap:
-            target, _, key, gen = self._heap[0]
-            top = self.members.get(key)
-            if top is not None and top.gen == gen:
+            target, _, gen, top = self._heap[0]
+            if top.gen == gen:
                 return self.at + self.debt + max(0.0, target - self.passes) * self.pass_seconds
             heapq.heappop(self._heap)
         raise RuntimeError(f"{self.worker_id}: members without a scheduled boundary")
@@ -226,40 +232,53 @@ class SimulatedEngine:
 
     # ----------------------------------------------------------- phases --
 
-    def _start_phase(self, m: Member, drafts: bool) -> None:
+    def _start_phase(self, m: Member, drafts: bool, planned: int | None = None) -> None:
         """Begin a phase at (m.p0, m.pos0): with drafts while one covers the position; past it,
         self-drafts when ``suffix_alpha`` is set (a what-if), else one token per pass."""
         k, alpha, m.suffix_phase = 0, m.alpha, False
-        past = not drafts or m.pos0 >= m.draft_len  # ``drafts`` False: its draft just ran out
-        if not m.job and not past:
-            k = self.acceptance.draft_tokens(m.alpha, self.acceptance.batch_cap(len(self.members)), self.threshold)
-        elif m.suffix_alpha > 0 and not m.job:
+        if m.job:
+            pass  # draft jobs decode one token per pass
+        elif drafts and m.pos0 < m.draft_len:  # ``drafts`` False: its draft just ran out
+            # only ``commit`` (and its ``_rerate``) start phases with drafts, after setting
+            # ``self.cap`` to the cap of the batch as it is: batch_cap(len(self.members));
+            # ``planned``: the k ``_rerate`` just took from the rule for this very phase
+            k = self.acceptance.draft_tokens(alpha, self.cap, self.threshold) if planned is None else planned
+        elif m.suffix_alpha > 0:
             alpha, m.suffix_phase = m.suffix_alpha, True
             k = self.acceptance.draft_tokens(alpha, self.acceptance.batch_cap(len(self.members)), self.threshold)
         m.k = k
-        m.max_k = max(m.max_k, k)
-        m.rate = 1.0 + expected_accepted(alpha, k) if k else 1.0
+        if k > m.max_k:
+            m.max_k = k
+        m.rate = rate = 1.0 + expected_accepted(alpha, k) if k else 1.0
         boundary = m.length if m.suffix_phase or not k else min(m.draft_len, m.length)
-        m.target = m.p0 + max(0.0, boundary - m.pos0) / m.rate
+        left = boundary - m.pos0
+        m.target = target = m.p0 + (left if left > 0.0 else 0.0) / rate  # max(0.0, left), inlined: a hot path
         m.gen += 1
         self.draft_tokens += k
-        self.rate_sum += m.rate
-        heapq.heappush(self._heap, (m.target, next(self._seq), m.key, m.gen))
+        self.rate_sum += rate
+        heapq.heappush(self._heap, (target, next(self._seq), m.gen, m))
 
     def _rerate(self, cap: int) -> None:
         """The batch size crossed a draft-cap threshold: re-plan members whose k changes."""
+        if self.jobs:
+            return  # a batch of draft jobs (they never draft): nothing to re-plan
+        draft_tokens, threshold, passes = self.acceptance.draft_tokens, self.threshold, self.passes  # fixed here
         for m in self.members.values():
             if m.job or not m.started:
                 continue
-            pos = m.position(self.passes)
-            alpha = m.alpha if pos < m.draft_len else m.suffix_alpha
-            want = self.acceptance.draft_tokens(alpha, cap, self.threshold) if pos < m.draft_len or m.suffix_phase else 0
+            if not m.k and not m.suffix_phase and m.pos0 >= m.draft_len:
+                continue  # past its draft (its position is at least pos0), no self-drafts: k stays 0
+            pos = m.pos0 + (passes - m.p0) * m.rate  # m.position(passes), inlined: once per member per re-plan
+            pos = pos if pos < m.length else float(m.length)
+            drafted = pos < m.draft_len
+            want = draft_tokens(m.alpha if drafted else m.suffix_alpha, cap, threshold) if drafted or m.suffix_phase else 0
             if want != m.k:
                 self._close_phase(m)
                 self.draft_tokens -= m.k
                 self.rate_sum -= m.rate
-                m.pos0, m.p0 = pos, self.passes
-                self._start_phase(m, drafts=True)
+                m.pos0, m.p0 = pos, passes
+                # with its draft ahead, _start_phase would ask the rule the same question again
+                self._start_phase(m, drafts=True, planned=want if drafted else None)
 
     def _threshold(self) -> float:
         """The paying rule's bar for the batch as it is: a draft token's cost times the batch's
@@ -267,19 +286,27 @@ class SimulatedEngine:
         b = len(self.members)
         if not b:
             return 0.0
-        tokens = self.rate_sum + sum(1 for m in self.members.values() if not m.started)
+        tokens = self.rate_sum + len(self._pending)  # the members not started yet are those pending
         seconds = self.profile.step_seconds(b, self.draft_tokens)
         return self.profile.per_draft_token_seconds * max(tokens, float(b)) / seconds
 
     def _close_phase(self, m: Member) -> None:
         if not m.k:
             return
-        passes = max(0.0, self.passes - m.p0) if self.passes < m.target else m.target - m.p0
+        # max(0.0, x) written as ``x if x > 0.0 else 0.0`` (the same value, NaN and -0.0 included):
+        # this runs for every phase that ends, hundreds of thousands of times a step
+        if self.passes < m.target:
+            passes = self.passes - m.p0
+            passes = passes if passes > 0.0 else 0.0
+        else:
+            passes = m.target - m.p0
         tokens = passes * m.rate
+        gained = tokens - passes
+        gained = gained if gained > 0.0 else 0.0
         m.spec_passes += passes
         if m.suffix_phase:
             m.suffix_drafted += passes * m.k
-            m.suffix_accepted += max(0.0, tokens - passes)
+            m.suffix_accepted += gained
         else:
             m.drafted += passes * m.k
-            m.accepted += max(0.0, tokens - passes)
+            m.accepted += gained

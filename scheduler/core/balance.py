@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 from bubblespec.scheduler.core.types import Action, Assign
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from bubblespec.scheduler.core.records import CoreParts as SchedulerCore
     from bubblespec.scheduler.core.records import RequestState, WorkerState
 
@@ -57,7 +59,8 @@ class Balancer:
         worker with room and the fewest outstanding predicted tokens (ties: fewest running
         for its capacity, then the order workers joined in)."""
         core = self.core
-        self._longest_first_where_all_start_now()
+        expected = self._memo_expected()
+        self._longest_first_where_all_start_now(expected)
         heap = [(self.outstanding(w), len(w.running) / w.capacity, i, w.hello.worker_id)
                 for i, w in enumerate(core.workers.values())]
         heapq.heapify(heap)
@@ -73,11 +76,11 @@ class Balancer:
             if not assigned:
                 continue  # nothing it may take, or full: out of this round of filling
             for a in assigned:
-                load += self.expected(core.steps[a.request.step_id].requests[a.request.key])
+                load += expected(core.steps[a.request.step_id].requests[a.request.key])
             heapq.heappush(heap, (load, len(w.running) / w.capacity, i, wid))
         return actions
 
-    def _longest_first_where_all_start_now(self) -> None:
+    def _longest_first_where_all_start_now(self, expected: Callable[[RequestState], float]) -> None:
         """Where the workers have room for a step's whole shared queue, every request in it
         starts now whatever its place, so place them longest first (LPT: the long ones
         spread, the short ones fill in around them). Where they do not, the queue's order
@@ -93,12 +96,29 @@ class Balancer:
             if free < len(step.shared):
                 continue
             # sorted is stable: a group's samples stay together
-            step.shared = deque(sorted(step.shared, key=lambda k: -self.expected(step.requests[k])))
+            step.shared = deque(sorted(step.shared, key=lambda k: -expected(step.requests[k])))
             left = len(step.shared)
             for wid in mine:  # what this step takes is not room for the next
                 take = min(room[wid], left)
                 room[wid] -= take
                 left -= take
+
+    def _memo_expected(self) -> Callable[[RequestState], float]:
+        """``expected``, computed once per prompt, length cap and progress, for one ``fill``
+        (which sorts and hands out a whole step: 262,144 requests at the simulator's scale).
+        A step's samples of one prompt share one ``prompt_token_ids`` tuple, so the memo is
+        keyed by that tuple's id (alive in the step's requests throughout): hashing the tuple
+        is what ``expected`` costs. Nothing a fill does changes the length history."""
+        memo: dict[tuple[int, int, int], float] = {}
+
+        def expected(req: RequestState) -> float:
+            spec = req.spec
+            at = (id(spec.prompt_token_ids), spec.sampling.max_tokens, req.progress)
+            value = memo.get(at)
+            if value is None:
+                value = memo[at] = self.expected(req)
+            return value
+        return expected
 
 
 class StallWatch:

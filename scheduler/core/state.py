@@ -20,10 +20,11 @@ import math
 import random
 import statistics
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from bubblespec.client.types import LOGPROBS_MODES, Completion, Provenance, SamplingParams, SchedulingPolicy, StepSummary
+from bubblespec.client.types import (LOGPROBS_MODES, Completion, Provenance, SamplingParams, SchedulingPolicy,
+                                     SourceStats, StepSummary)
 from bubblespec.scheduler.core.balance import Balancer
 from bubblespec.scheduler.core.checks import check_completion
 from bubblespec.scheduler.core.drafting import DraftPlanner, draft_seed, job_sampling
@@ -580,9 +581,11 @@ class SchedulerCore(CoreView):
         moved: list[str] = []
         actions: list[Action] = []
         for w in self.workers.values():
+            if not w.private:
+                continue  # nothing queued to move (most workers: this runs every tick over all of them)
             slow = (median > 0 and w.running and now - step.started_at > self.settings.straggler_grace_seconds
                     and w.tokens_per_second < self.settings.straggler_ratio * median)
-            if w.private and (slow or someone_idle):
+            if slow or someone_idle:
                 mine = [k for k in w.private if _step_of(k) == step.spec.step_id]
                 w.private = deque(k for k in w.private if _step_of(k) != step.spec.step_id)
                 for key in mine:
@@ -650,7 +653,9 @@ class SchedulerCore(CoreView):
             if self._takeable(w, key):
                 return key
         for step in self.steps.values():
-            if step.active and step.spec.policy_version == w.version and not self.pauser.holds(step.spec.step_id):
+            # an empty queue first: the cheapest test and, at a step's tail, the usual answer
+            if step.shared and step.active and step.spec.policy_version == w.version \
+                    and not self.pauser.holds(step.spec.step_id):
                 for _ in range(len(step.shared)):  # keys it may not take go to the back, once
                     key = step.shared.popleft()
                     if self._takeable(w, key):
@@ -667,6 +672,8 @@ class SchedulerCore(CoreView):
         if step.spec.policy_version != w.version or not _serves(w, step.spec.sampling):
             step.shared.append(key)  # someone with the right version and logprobs will take it
             return False
+        if req.moved_from is None and not req.failures:
+            return True  # the common case: never moved nor failed, so no worker to keep it from
         tried = {wid for wid, _ in req.failures}
         if (req.moved_from == w.hello.worker_id or w.hello.worker_id in tried) and self._another_can_run(w, step, tried):
             step.shared.append(key)  # moved off this (slow or stalled) worker, or failed on it: not back to it
@@ -688,7 +695,8 @@ class SchedulerCore(CoreView):
         width = self.settings.max_draft_jobs_per_worker
         if self.settings.max_draft_jobs_during_step is not None and self._current_step() is not None:
             width = min(width, self.settings.max_draft_jobs_during_step)
-        while len(w.drafts) < min(w.capacity, width):
+        width = min(w.capacity, width)
+        while len(w.drafts) < width:
             up = self.planner.pick()
             if up is None:
                 break
@@ -713,7 +721,7 @@ class SchedulerCore(CoreView):
         self.timing.flush(self.workers.values(), now)
         step.finished_at = now
         comps = step.completions.values()
-        prov = sum((c.provenance for c in comps), Provenance())
+        prov = _total(c.provenance for c in comps)
         step.summary = StepSummary(
             step_id=step.spec.step_id, policy_version=step.spec.policy_version,
             completions=len(step.completions), makespan_seconds=now - step.started_at,
@@ -764,6 +772,23 @@ def _not_running(worker_id: str, kind: str, key: str) -> Ignored:
 
 
 _step_of = step_of
+
+
+def _total(provenances: Iterable[Provenance]) -> Provenance:
+    """``sum(provenances, Provenance())`` in one pass: the same forward passes, and the same
+    per-source sums in the same (sorted) order, without a new ``Provenance`` per completion
+    (a step of 262,144 completions ends in one call)."""
+    passes = 0
+    merged: dict[str, list[int]] = {}
+    for p in provenances:
+        passes += p.forward_passes
+        for s in p.sources:
+            acc = merged.get(s.source)
+            if acc is None:
+                acc = merged[s.source] = [0, 0]
+            acc[0] += s.drafted_tokens
+            acc[1] += s.accepted_tokens
+    return Provenance(passes, tuple(SourceStats(k, d, a) for k, (d, a) in sorted(merged.items())))
 
 
 def _expand(spec: StepSpec) -> list[RequestSpec]:

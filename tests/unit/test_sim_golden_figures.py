@@ -1,0 +1,77 @@
+"""The simulator's figures are exact to the last bit across its speed work: golden figures.
+
+Each case below was simulated by the code before the simulator and the core's hot paths were
+sped up (the engine's re-planning, the event loop, ``_fill`` / ``_next_for``, the step's
+provenance total); every float is compared with ``==``, not approximately. A change to a
+cost, a rounding or a summation order fails here. A change that is meant to move the figures
+(a new model, a new scheduling rule) updates these values and says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from bubblespec.bench.sim.costs import CPU_TINY, GPU_H100_7B
+from bubblespec.bench.sim.simulator import SimSettings, simulate
+from bubblespec.bench.sim.workload import AcceptanceModel
+from bubblespec.client.types import Provenance, SourceStats
+from bubblespec.scheduler.core.state import _total
+
+CASES = {
+    "queue+drafts": dict(policy="queue", workers=24, requests_per_step=1536, steps=3, profile=GPU_H100_7B,
+                         drafting=True),
+    "static": dict(policy="static", workers=24, requests_per_step=1536, steps=2, profile=GPU_H100_7B, drafting=False),
+    "longest-first+drafts, fixed rule": dict(policy="longest-first", workers=12, requests_per_step=768, steps=3,
+                                             profile=GPU_H100_7B, drafting=True,
+                                             acceptance=replace(AcceptanceModel(), paying=False, max_draft_tokens=8)),
+    "queue+drafts, suffix, gap, tail": dict(policy="queue", workers=16, requests_per_step=1024, steps=3, profile=CPU_TINY,
+                                            drafting=True, acceptance=replace(AcceptanceModel(), suffix=0.5),
+                                            settings=SimSettings(train_seconds=5.0, tail_requests=2)),
+}
+
+# per step: makespan, forward passes, accepted, drafted, busy / idle / drafting worker-seconds,
+# requests with a future draft, draft jobs started; then the events of the run
+GOLDEN = {
+    'queue+drafts': ([
+        (38.624075, 908770, 0, 0, 571.6680499999999, 109.64525, 245.66449999999998, 0, 1085),
+        (56.166733957553184, 445347, 483980, 1470209, 547.612184101922, 306.88522392222643, 493.5042069571278, 1536, 1393),
+        (34.73950831330514, 396416, 522668, 1670434, 418.8999589651945, 131.91697224109515, 282.9312683130336, 1536, 1127),
+    ], 8490),
+    'static': ([
+        (38.883875, 908770, 0, 0, 555.24405, 377.96895000000006, 0.0, 0, 0),
+        (67.76494999999993, 929327, 0, 0, 777.1259749999989, 849.2328249999993, 0.0, 0, 0),
+    ], 2979),
+    'longest-first+drafts, fixed rule': ([
+        (45.169250000000005, 475108, 0, 0, 330.0041, 48.861725000000035, 163.16517500000006, 0, 611),
+        (57.990603063179805, 230236, 227587, 430340, 225.04773478579207, 189.279891800831, 281.55961017153453, 768, 711),
+        (61.492772739033626, 234535, 239059, 450900, 286.56081560206593, 180.8241546220702, 270.52830264426734, 768, 719),
+    ], 4531),
+    'queue+drafts, suffix, gap, tail': ([
+        (26.99590323750587, 368483, 241501, 619169, 257.4121478020938, 59.94619846531761, 114.57610553268255, 0, 609),
+        (27.34283219793717, 269357, 344238, 735255, 237.84451447980842, 56.32030044456117, 143.32050024262512, 1024, 718),
+        (35.4450877608717, 263651, 342356, 729203, 228.6115018995013, 133.42355253244008, 205.0863497420058, 1024, 842),
+    ], 5601),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_simulated_figures_are_unchanged_to_the_last_bit(name):
+    kw = dict(CASES[name])
+    r = simulate(kw.pop("policy"), kw.pop("workers"), kw.pop("requests_per_step"), kw.pop("steps"), kw.pop("profile"),
+                 kw.pop("drafting"), 0, **kw)
+    got = [(s.summary.makespan_seconds, s.summary.provenance.forward_passes, s.summary.provenance.accepted(),
+            s.summary.provenance.drafted(), s.summary.busy_worker_seconds, s.summary.idle_worker_seconds,
+            s.summary.drafting_worker_seconds, s.with_future_draft, s.draft_jobs) for s in r.steps]
+    steps, events = GOLDEN[name]
+    assert got == steps
+    assert r.events == events
+
+
+def test_step_provenance_total_is_the_sum_of_the_completions():
+    provs = [Provenance(3), Provenance(5, (SourceStats("history", 4, 2),)),
+             Provenance(7, (SourceStats("future", 10, 6), SourceStats("suffix", 3, 1))), Provenance(),
+             Provenance(2, (SourceStats("future", 1, 0),))]
+    assert _total(provs) == sum(provs, Provenance())
+    assert _total([]) == sum([], Provenance()) == Provenance()
