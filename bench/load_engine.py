@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from bubblespec.client.types import FinishReason, Provenance
+from bubblespec.store.types import uint32_array
 from bubblespec.worker.checkpoint import CheckpointError
 from bubblespec.worker.engine import EngineInfo, EngineOutput, EngineRequest
 
@@ -262,6 +263,6 @@ def _digest(prompt: tuple[int, ...], seed: int | None) -> int:
     """A stable 64-bit seed from the prompt and the sampling seed (same on every machine)."""
     h = hashlib.blake2b(digest_size=8)
     h.update(len(prompt).to_bytes(4, "little"))
-    h.update(b"".join(int(t).to_bytes(4, "little", signed=False) for t in prompt))
+    h.update(uint32_array(prompt).tobytes())  # the same bytes as each id's 4-byte little-endian form, in C
     h.update(b"greedy" if seed is None else seed.to_bytes(8, "little", signed=False))
     return int.from_bytes(h.digest(), "little")

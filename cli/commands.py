@@ -62,14 +62,21 @@ def scheduler(a: argparse.Namespace) -> None:
     run(_scheduler_settings(a))
 
 
+def _worker_settings(a: argparse.Namespace) -> WorkerSettings:
+    if not a.completion_batch_seconds >= 0:
+        raise ValueError(f"completion-batch-seconds: must be a number >= 0, got {a.completion_batch_seconds}")
+    return WorkerSettings(scheduler=a.scheduler, worker_id=a.worker_id, token=a.worker_token,
+                          tls=a.tls, tls_ca_file=a.tls_ca_file, tls_cert_file=a.tls_cert_file,
+                          tls_key_file=a.tls_key_file, completion_batch_seconds=a.completion_batch_seconds,
+                          engine=_engine_settings(a))
+
+
 def worker(a: argparse.Namespace) -> int:
     from bubblespec.worker.compat import UnsupportedVllm
     from bubblespec.worker.main import run
     from bubblespec.worker.selfcheck import SelfCheckFailed
 
-    settings = WorkerSettings(scheduler=a.scheduler, worker_id=a.worker_id, token=a.worker_token,
-                              tls=a.tls, tls_ca_file=a.tls_ca_file, tls_cert_file=a.tls_cert_file,
-                              tls_key_file=a.tls_key_file, engine=_engine_settings(a))
+    settings = _worker_settings(a)
     store = StoreSettings(url=a.redis_url, password=a.redis_password, tls_ca_file=a.redis_tls_ca_file)
     try:
         run(settings, store, a.metrics_port, a.shutdown_seconds)

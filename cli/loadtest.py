@@ -363,6 +363,8 @@ class _Harness:
         from bubblespec.cli.loadtest_workers import WorkerProcesses
 
         s = self.settings
+        if not s.completion_batch_seconds >= 0:
+            raise ValueError(f"completion_batch_seconds must be >= 0, got {s.completion_batch_seconds}")
         if s.redis_url == "memory" or (not s.redis_url and shutil.which("redis-server") is None):
             self.redis_url = ""
         elif s.redis_url:
@@ -372,8 +374,8 @@ class _Harness:
             self.redis_url = self.redis.start()
         self.scheduler = _SchedulerProcess(self.redis_url, s.keep_steps, s.trace_memory)
         await self.scheduler.start()
-        if s.worker_store not in ("redis", "memory"):
-            raise ValueError(f"worker_store must be 'redis' or 'memory', got {s.worker_store!r}")
+        if s.worker_store not in ("redis", "memory", "none"):
+            raise ValueError(f"worker_store must be 'redis', 'memory' or 'none', got {s.worker_store!r}")
         url = self.redis_url if s.worker_store == "redis" else ""
         self.workers = WorkerProcesses(s, self.scheduler.target, url)
         await self.workers.start()
@@ -631,7 +633,8 @@ def add_parser(sub, add) -> None:
                        ("policy", "scheduling policy: static | queue | longest-first"),
                        ("update-policy", "push a new policy version before every step"),
                        ("redis-url", "Redis URL ('' = own redis-server if installed, 'memory' = none)"),
-                       ("worker-store", "workers' draft store: redis | memory"),
+                       ("worker-store", "workers' draft store: redis | memory | none"),
+                       ("completion-batch-seconds", "the agents' completion window (WorkerSettings)"),
                        ("seed", "seed of prompts and sampling"),
                        ("trace-memory", "tracemalloc in the scheduler; print its top allocation sites (slow)")):
         add(p, name, getattr(d, name.replace("-", "_")), help)

@@ -45,9 +45,14 @@ class LoadSettings:
     redis_url: str = ""
     """Redis for the scheduler journal and the workers' drafts ('' = start redis-server on a free
     port, or the in-process memory store if none is installed; 'memory' = no Redis)."""
-    worker_store: Literal["redis", "memory"] = "redis"
-    """Workers' draft store: 'redis' (the Redis above, one client per worker, as deployed) or
-    'memory' (one in-process store per worker: keeps the worker processes' CPU for the agents)."""
+    worker_store: Literal["redis", "memory", "none"] = "redis"
+    """Workers' draft store: 'redis' (the Redis above, one client per worker, as deployed),
+    'memory' (one in-process store per worker: keeps the worker processes' CPU for the agents) or
+    'none' (no store: the agents neither read drafts nor record responses, the cheapest load
+    generator; the scheduler's work is the same, its draft jobs aside, which simulated engines never get)."""
+    completion_batch_seconds: float = 0.05
+    """Every agent's ``WorkerSettings.completion_batch_seconds`` (its default): completions ending
+    within this long of the agent's last completion message go in one message."""
     seed: int = 0
     """Seed of the prompts and of the sampling seeds."""
     trace_memory: bool = False

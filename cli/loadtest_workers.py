@@ -133,10 +133,12 @@ class _Workers:
         for i in range(c["first"], c["first"] + c["count"]):
             engine = LoadTestEngine(replace(sim, seed=s.seed * 1000 + i))
             await engine.start()
-            ws = WorkerSettings(scheduler=c["target"], worker_id=f"sim-{i}",
+            ws = WorkerSettings(scheduler=c["target"], worker_id=f"sim-{i}", completion_batch_seconds=s.completion_batch_seconds,
                                 engine=EngineSettings(model="simulated", max_model_len=max_len, max_num_seqs=s.capacity))
-            self.stores.append(open_store(StoreSettings(url=c["store_url"]), resilient=True))
-            agent = agent_cls(ws, engine, self.stores[-1], self.probe)
+            store = None if s.worker_store == "none" else open_store(StoreSettings(url=c["store_url"]), resilient=True)
+            if store is not None:
+                self.stores.append(store)
+            agent = agent_cls(ws, engine, store, self.probe)
             self.engines.append(engine)
             self.agents.append(agent)
             self.tasks.append(asyncio.create_task(agent.run()))

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import grpc
-from bubblespec.scheduler.core.types import Action, Deliver, PolicyLoadReported, RequestsMoved, StepFailed, StepFinished
+from bubblespec.scheduler.core.types import Action, Assign, Deliver, PolicyLoadReported, RequestsMoved, StepFailed, StepFinished
 from bubblespec.telemetry import Histogram, MetricSpec, family
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
@@ -160,6 +160,12 @@ class SchedulerMetrics(Collector):
 
     def on_action(self, action: Action) -> None:
         """Listener on ``SchedulerService.listeners``: called with every core action."""
+        kind = type(action)
+        if kind is Deliver:  # most actions are deliveries and assignments: no pattern matching for those
+            self._on_deliver(action.step_id, action.completion)
+            return
+        if kind is Assign:
+            return
         match action:
             case Deliver(step_id, completion):
                 self._on_deliver(step_id, completion)

@@ -91,9 +91,19 @@ def worker_event(worker_id: str, msg: pb.WorkerMessage) -> WorkerEvent:
 
 
 def _completed(worker_id: str, wc: pb.WorkerCompletion) -> Completed:
-    wc.completion.worker_id = worker_id  # stamped here, whatever it claims: the core need not copy it
-    return Completed(worker_id, wc.request_key, cv.completion_from_pb(wc.completion))
+    msg = wc.completion
+    msg.worker_id = worker_id  # stamped here, whatever it claims: the core need not copy it
+    c = cv.completion_from_pb(msg)
+    if msg.finish_reason in _FINISH_KNOWN:  # else the decoded one says STOP: encode that instead
+        kept = pb.Completion()
+        kept.CopyFrom(msg)  # a copy (a C copy, cheaper than encoding): a kept one never pins the whole worker message
+        kept.DiscardUnknownFields()  # only what this scheduler knows goes on to the journal and trainer
+        _keep(c, kept)  # the journal and the trainer's stream take the received encoding
+    return Completed(worker_id, wc.request_key, c)
 
+
+_FINISH_KNOWN = frozenset(cv._FINISH_FROM_PB)
+"""``pb.FinishReason`` values that decode to themselves (any other decodes as STOP)."""
 
 _SAMPLING_MEMO_MAX = 64
 _sampling_memo: dict[int, tuple[SamplingParams, pb.SamplingParams]] = {}
@@ -124,15 +134,22 @@ def completion_pb(c: Completion, keep: bool = False) -> pb.Completion:
     trainer's stream will want it next), the stream's first use takes the kept encoding
     (``generate_responses``). At most ``COMPLETION_MEMO_MAX`` wait, the oldest dropped first
     (encoded again if a stream asks for it later); never mutate what this returns."""
-    hit = _completion_memo.pop(id(c), None)
+    hit = _completion_memo.get(id(c)) if keep else _completion_memo.pop(id(c), None)
     if hit is not None and hit[0] is c:
         return hit[1]
     msg = cv.completion_to_pb(c)
     if keep:
-        if len(_completion_memo) >= COMPLETION_MEMO_MAX:
-            del _completion_memo[next(iter(_completion_memo))]
-        _completion_memo[id(c)] = (c, msg)  # the reference keeps the id from being reused
+        _keep(c, msg)
     return msg
+
+
+def _keep(c: Completion, msg: pb.Completion) -> None:
+    """Keep ``msg`` as ``c``'s encoding for the next ``completion_pb`` (a copy of a received
+    completion's message, when ``c`` was decoded from it: the core delivers that very object
+    unless it had to change it, and a changed one is another object, encoded anew)."""
+    if len(_completion_memo) >= COMPLETION_MEMO_MAX:
+        del _completion_memo[next(iter(_completion_memo))]
+    _completion_memo[id(c)] = (c, msg)  # the reference keeps the id from being reused
 
 
 def scheduler_message(item: Action | pb.SchedulerMessage) -> pb.SchedulerMessage:

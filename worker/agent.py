@@ -333,7 +333,8 @@ class WorkerAgent:
     async def _drafts_for(self, prompt: tuple[int, ...]) -> tuple[tuple[str, tuple[int, ...]], ...]:
         if self.store is None:
             return ()
-        entries = (await self.store.get_drafts([prompt_key(prompt)])).get(prompt_key(prompt), [])
+        pk = prompt_key(prompt)
+        entries = (await self.store.get_drafts([pk])).get(pk, [])
         entries = entries[: self.settings.max_drafts_per_request]
         return tuple((e.source.value, e.tokens) for e in entries if e.tokens)
 

@@ -4,8 +4,8 @@ real WorkerLink stream, and the worker agent's outgoing stream.
 
 - The agent sends the completions that end within ``completion_batch_seconds`` of the last
   completion message it sent in one ``completions`` batch, in order; a full batch goes at once.
-- A completion delivered with a journal is encoded once: the journal record and the trainer's
-  stream carry the same bytes.
+- A completion delivered with a journal is not encoded again: the journal record and the
+  trainer's stream carry the worker's own message (its worker id stamped).
 - Assignments reuse the encoding of their sampling parameters; each still carries its own.
 - A started scheduler raises the young-generation GC threshold (never lowers one set higher).
 """
@@ -123,7 +123,7 @@ async def test_a_delivered_completion_is_encoded_once_for_the_journal_and_the_tr
     collector = StepCollector(generate_request("s", PROMPTS, GREEDY, n=2))
     got = {f"s/{c.prompt_id}/{c.sample_index}": c for m in msgs for c in collector.add_all(m)}
     assert collector.done and len(got) == 8
-    assert sorted(calls) == sorted(got)  # once each: the journal's encoding went to the trainer too
+    assert calls == []  # never re-encoded: the worker's own message went to the journal and the trainer
     assert journaled == got  # the journal holds what the trainer got, worker id stamped included
     assert {c.worker_id for c in got.values()} == {"fw-e"}
 
