@@ -79,6 +79,7 @@ class StepState:
     drafting: float = 0.0
     summary: StepSummary | None = None
     failure: StepFailed | None = None  # set when the step ended in failure (no summary then)
+    ordered_at: float = float("-inf")  # when core/probes.py last ordered its shared queue
 
     @property
     def active(self) -> bool:

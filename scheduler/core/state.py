@@ -566,8 +566,10 @@ class SchedulerCore(CoreView):
         for step in [s for s in self.steps.values() if s.active and s.spec.straggler_watch]:
             actions += self._rebalance(step, now)
         for step in self.steps.values():  # multi-wave queues: what the probes say (core/probes.py)
-            if step.active and step.spec.sampling.n > 1 and step.spec.policy is not SchedulingPolicy.STATIC:
-                by_probes(step, self._predicted)
+            if step.active and len(step.shared) > 1 and step.spec.sampling.n > 1 \
+                    and step.spec.policy is not SchedulingPolicy.STATIC:
+                running = (step.requests[k] for w in self.workers.values() for k in w.running if k in step.requests)
+                by_probes(step, self._predicted, running, now)
         return actions
 
     def _rebalance(self, step: StepState, now: float) -> list[Action]:

@@ -167,5 +167,24 @@ def test_reordering_by_probes_keeps_a_requeued_request_in_front():
     step = core.steps["s"]
     requeued = next(k for k in step.shared if step.requests[k].spec.prompt_id == "p0")  # by probes: last
     step.requests[requeued].failures.append(("b", "engine error"))
-    by_probes(step, core.history.predicted)
+    by_probes(step, core.history.predicted, [step.requests[k] for k in core.workers["a"].running], now=0.0)
     assert step.shared[0] == requeued and len(step.shared) == 3
+
+
+def test_the_queue_is_reordered_at_most_once_per_reorder_interval():
+    from bubblespec.scheduler.core.events import Progress
+    from bubblespec.scheduler.core.probes import REORDER_SECONDS
+
+    core, clock = make_core()
+    core.add_worker(hello("a", capacity=3))
+    first = of(core.submit_step(prompts_step("s", [(5, 6), (5, 7), (5, 8)], n=2)), Assign)
+    probe = {a.request.prompt_id: a for a in first}
+    core.tick()  # nothing reported: the submitted order stays
+    core.handle(Progress("a", probe["p2"].request.key, 50))
+    core.tick()  # within the interval: not reordered yet
+    order = [core.steps["s"].requests[k].spec.prompt_id for k in core.steps["s"].shared]
+    assert order == ["p0", "p1", "p2"]
+    clock.now += REORDER_SECONDS
+    core.handle(Progress("a", probe["p2"].request.key, 60))
+    core.tick()
+    assert core.steps["s"].requests[core.steps["s"].shared[0]].spec.prompt_id == "p2"
