@@ -14,7 +14,10 @@ requests that each decode exactly ``L`` tokens (``ignore_eos``, greedy), for sev
 
 Seconds per pass (wall time over forward passes, so everything a pass costs the service is
 in it) are fitted by least squares (see ``fit``); a negative constant is clipped to 0. The
-result prints as a ``CostProfile`` to paste into ``bubblespec.bench.sim.costs``.
+result prints as a ``CostProfile`` to paste into ``bubblespec.bench.sim.costs``, and
+``per_draft_token_seconds`` as the worker flag ``--draft-token-seconds`` that turns on the
+paying draft-length rule (``EngineSettings.draft_token_seconds``). The engine measured here
+runs with that rule off whatever the flags say, so every pass verifies the full draft.
 """
 
 from __future__ import annotations
@@ -125,13 +128,14 @@ async def calibrate(engine, cfg: CalibrationConfig = CalibrationConfig(), log=pr
 
 
 def main(args) -> None:
+    from dataclasses import replace
     from pathlib import Path
 
     from bubblespec.cli.commands import _engine_settings, _preload_vllm, ensure_tiny_model
     from bubblespec.worker.engine import VllmEngine
 
     args.model = args.model or ensure_tiny_model()
-    settings = _engine_settings(args)
+    settings = replace(_engine_settings(args), draft_token_seconds=0.0)  # full drafts: the rule would shorten them
     _preload_vllm()  # before the loop starts: VllmEngine.start would import it on the loop
 
     async def go() -> dict:
@@ -148,6 +152,7 @@ def main(args) -> None:
     for name, value in p.items():
         print(f"    {name}={value:.3e},")
     print(")")
+    print(f"worker: --draft-token-seconds {p['per_draft_token_seconds']:.3e}  (draft length by cost)")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
         print(f"wrote {args.json}")

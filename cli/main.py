@@ -65,6 +65,8 @@ def _engine_flags(p: argparse.ArgumentParser, speculative_tokens: int = 8) -> No
     _add(p, "logprobs-mode", "processed", "returned logprobs: processed (temperature/top-k/top-p applied) | raw")
     _add(p, "self-suffix-drafting", False, "where no stored or sibling draft continues a request, draft from its own "
          "prompt + output (draft source 'suffix'; exact either way)")
+    _add(p, "draft-token-seconds", 0.0, "seconds one draft token adds to a pass (per_draft_token_seconds from "
+         "`bubblespec calibrate`): draft length by cost, none where it costs more than it saves (0 = by acceptance only)")
     _add(p, "allow-unsupported-vllm", False, "start on a vLLM release the worker was not checked against "
          "(exactness UNVERIFIED; logged loudly)")
     _add(p, "unsafe-skip-self-checks", False, "UNSAFE: skip the start-up self-checks (drafts, CPU sampler fix, "

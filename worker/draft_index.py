@@ -1,4 +1,5 @@
-"""Per-request draft matching and adaptive draft length (pure: numpy only, no vLLM).
+"""Per-request draft matching and adaptive draft length (pure: numpy and the scheduler core's
+paying rule, no vLLM).
 
 A request carries candidate continuations (``Candidate``) from three sources: ``future``
 (responses pre-generated in bubbles for this prompt), ``history`` (earlier steps' responses)
@@ -27,6 +28,16 @@ its per-token acceptance.  The j-th draft token is accepted with probability abo
 so we draft while ``a**j >= min_accept_prob``; the batch caps it at
 ``token_budget // batch_size`` so that verification never makes a step compute-bound; a
 request whose acceptance collapsed drafts one probe token every ``probe_every`` steps.
+
+Paying length: where the engine knows what one draft token costs a pass
+(``DraftLength.draft_token_seconds``, measured by ``bubblespec calibrate``) and the batch's
+current tokens/s (``StepRate``, measured from the steps' wall time), ``min_accept_prob`` gives
+way to the scheduler core's cost rule (``scheduler.core.drafting.paying_draft_tokens``, the
+rule the simulator's engines use): the j-th token is drafted only while ``a**j`` exceeds the
+draft token's cost times the batch's tokens/s. It drafts deep where a pass is memory-bound and
+nothing where a draft token costs more than it is expected to save. The caps and the collapse
+probe stay. The length decides only what is proposed: exactness never depends on it
+(docs/EXACTNESS.md).
 """
 
 from __future__ import annotations
@@ -36,7 +47,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["SOURCES", "Candidate", "DraftLength", "RequestDrafter", "SuffixIndex", "SuffixRule"]
+from bubblespec.scheduler.core.drafting import paying_draft_tokens
+
+__all__ = ["SOURCES", "Candidate", "DraftLength", "RequestDrafter", "StepRate", "SuffixIndex", "SuffixRule"]
 
 SOURCES = ("future", "history", "sibling", "suffix")
 
@@ -65,19 +78,77 @@ class DraftLength:
     """Weight of the newest observation in the acceptance average."""
     probe_every: int = 8
     """A request with collapsed acceptance drafts one token every this many steps."""
+    draft_token_seconds: float = 0.0
+    """Seconds one more draft token adds to an engine pass (``bubblespec calibrate``'s
+    ``per_draft_token_seconds``). Set (> 0): the paying rule picks the length from it and the
+    batch's tokens/s (module docstring). 0: unknown; the ``min_accept_prob`` rule alone."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.draft_token_seconds) and self.draft_token_seconds >= 0):
+            raise ValueError(f"draft_token_seconds: must be a finite number >= 0, got {self.draft_token_seconds!r}")
 
     def batch_cap(self, batch_size: int) -> int:
         return max(0, min(self.max_tokens, self.token_budget // max(1, batch_size)))
 
-    def for_request(self, accept: float, steps: int, cap: int) -> int:
+    def for_request(self, accept: float, steps: int, cap: int, tokens_per_second: float = 0.0) -> int:
+        """Draft tokens for a request with acceptance average ``accept`` at its ``steps``-th step
+        under ``cap``. ``tokens_per_second``: the batch's current rate (0: not measured yet);
+        with ``draft_token_seconds`` set and a rate known, the paying rule decides."""
         if cap <= 0:
             return 0
+        if self.draft_token_seconds > 0 and tokens_per_second > 0:
+            return self._paying(accept, steps, cap, tokens_per_second)
         if accept < self.min_accept_prob:
             return 1 if steps % self.probe_every == 0 else 0
         if accept >= 0.999:
             return cap
         k = int(math.log(self.min_accept_prob) / math.log(accept))
         return max(1, min(cap, k))
+
+    def _paying(self, accept: float, steps: int, cap: int, tokens_per_second: float) -> int:
+        """``paying_draft_tokens`` under ``cap``. Where nothing pays, a request whose acceptance
+        collapsed still probes (one token every ``probe_every`` steps) so that its average can
+        recover, unless the batch is so compute-bound that not even a surely accepted token
+        would pay (cost x tokens/s >= 1): then it drafts nothing."""
+        k = paying_draft_tokens(accept, cap, self.draft_token_seconds, tokens_per_second)
+        if k > 0 or accept >= self.min_accept_prob or self.draft_token_seconds * tokens_per_second >= 1:
+            return k
+        return 1 if steps % self.probe_every == 0 else 0
+
+
+@dataclass
+class StepRate:
+    """Tokens per second of an engine's batch, from the wall time between its steps (smoothed).
+
+    ``observe`` is called once per engine step with the tokens that step produced (over the
+    whole batch, drafted requests or not) and the clock. The time since the previous call is
+    that step's cost to the service (scheduling, forward pass, sampling, proposing), but only
+    where the engine ran without a pause: a step that shares no request with the previous one
+    (``continued`` False) may follow an idle spell, and its gap is not counted. Tokens and
+    seconds are averaged apart (weight ``ema`` on the newest step) and divided."""
+
+    ema: float = 0.2
+    """Weight of the newest step in both averages."""
+    tokens: float = 0.0
+    """Average tokens per step (over the whole batch)."""
+    seconds: float = 0.0
+    """Average seconds per step; 0 until a step was measured."""
+    last: float | None = None
+    """Clock reading at the previous step."""
+
+    def observe(self, tokens: int, now: float, continued: bool) -> None:
+        last, self.last = self.last, now
+        if last is None or not continued or now <= last:
+            return
+        if self.seconds <= 0:
+            self.tokens, self.seconds = float(tokens), now - last
+        else:
+            self.tokens += self.ema * (tokens - self.tokens)
+            self.seconds += self.ema * ((now - last) - self.seconds)
+
+    def tokens_per_second(self) -> float:
+        """The batch's smoothed rate; 0 before any step was measured."""
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 @dataclass
@@ -219,12 +290,13 @@ class RequestDrafter:
         if self._cursor is not None and self._cursor[0] >= self._static:
             self._cursor = None  # sibling contents moved on; search again
 
-    def propose(self, generated: np.ndarray, cap: int) -> list[int]:
+    def propose(self, generated: np.ndarray, cap: int, tokens_per_second: float = 0.0) -> list[int]:
         """Draft tokens to follow ``generated`` (this request's output so far): from a
-        candidate where one continues it, else from the request's own text (``SuffixRule``)."""
+        candidate where one continues it, else from the request's own text (``SuffixRule``).
+        ``tokens_per_second``: the batch's rate, for the paying rule (``DraftLength``)."""
         if self._suffix is not None:
             self._sync_suffix(generated)
-        k = self.rule.for_request(self.accept, self.stats.forward_passes, cap)
+        k = self.rule.for_request(self.accept, self.stats.forward_passes, cap, tokens_per_second)
         pos = self._advance(generated) if k > 0 and self.candidates else None
         if pos is not None:
             idx, at = pos
@@ -235,7 +307,8 @@ class RequestDrafter:
                 return draft.tolist()
         if self._suffix is None:
             return []
-        drafted = self._suffix.propose(self.rule.for_request(self.suffix_accept, self.stats.forward_passes, cap))
+        drafted = self._suffix.propose(
+            self.rule.for_request(self.suffix_accept, self.stats.forward_passes, cap, tokens_per_second))
         if drafted:
             self._last = ("suffix", len(drafted))
         return drafted

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import threading
 from collections.abc import AsyncIterator
@@ -44,6 +45,17 @@ class EngineSettings:
     """Upper bound on draft tokens per request per step; 0 runs without the proposer."""
     draft_token_budget: int = 256
     """Draft tokens one engine step may verify over the whole batch (see draft_index)."""
+    draft_token_seconds: float = 0.0
+    """Seconds one more draft token adds to a forward pass of this engine: the
+    ``per_draft_token_seconds`` that ``bubblespec calibrate`` prints for it. Set (> 0): each
+    request's draft length follows the paying rule (``draft_index.DraftLength``): the j-th
+    token only while its acceptance chance exceeds this cost times the batch's measured tokens/s,
+    so drafting goes deep where a pass is memory-bound and stops where it costs more than it
+    saves. 0 (the default): the acceptance rule alone (``min_accept_prob``), as before. No
+    built-in default: the cost is the model's and the machine's (the bench's 525k-parameter
+    model on 2 vCPUs measured 6.2e-5 s; a real model costs orders of magnitude more on a CPU
+    and far less per parameter on a GPU), and a wrong number turns drafting off where it pays or
+    on where it does not. Exact whatever the value (docs/EXACTNESS.md)."""
     kv_cache_memory_bytes: int = 256 * 2**20
     """KV cache size (CPU engines); 0 lets vLLM size it from gpu_memory_utilization."""
     gpu_memory_utilization: float = 0.85
@@ -92,6 +104,8 @@ class EngineSettings:
     reloads work on this vLLM. For debugging only."""
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.draft_token_seconds) and self.draft_token_seconds >= 0):
+            raise ValueError(f"draft_token_seconds: must be a finite number >= 0, got {self.draft_token_seconds!r:.40}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode: must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r:.40}")
 
@@ -205,7 +219,8 @@ class VllmEngine:
             speculative_config=spec, worker_extension_cls=EXTENSION,
             additional_config={"bubblespec": {"token_budget": s.draft_token_budget,
                                               "cpu_sampler_fix": s.cpu_sampler_fix,
-                                              "self_suffix": s.self_suffix_drafting},
+                                              "self_suffix": s.self_suffix_drafting,
+                                              "draft_token_seconds": s.draft_token_seconds},
                                # engine processes die with this one; their core binding is theirs alone
                                "bubblespec_lifeline": Lifeline(environ=_child_environ(s))},
             enable_prefix_caching=True,

@@ -3,8 +3,8 @@
 How drafts reach this code: the BubbleSpec worker puts each request's candidates into
 ``SamplingParams.extra_args["bubblespec"]``. vLLM ships sampling params with the request to
 every worker process (single process, multiprocess, tensor-parallel ranks alike), so each
-rank's proposer sees the same candidates and proposes the same drafts. Sibling candidates are
-read live from the batch: rows whose prompt is identical.
+rank's proposer sees the same candidates (and which drafts count: "Draft length" below).
+Sibling candidates are read live from the batch: rows whose prompt is identical.
 
 The proposer needs the model runner (to map batch rows to requests). vLLM builds the proposer
 before the runner exists as an attribute, so the worker calls ``collective_rpc
@@ -17,16 +17,28 @@ before the runner exists as an attribute, so the worker calls ``collective_rpc
 
 Where no candidate continues a request, it can draft from its own prompt + output (source
 ``suffix``, ``draft_index.SuffixRule``; engine setting ``self_suffix_drafting``, off by default).
+
+Draft length: ``draft_index.DraftLength``. With the engine setting ``draft_token_seconds``
+(what one draft token adds to a pass), each step measures the batch's tokens/s
+(``draft_index.StepRate``: tokens the step produced over the wall time since the previous
+step, smoothed) and the paying rule picks each request's length from the two; until a rate is
+measured, and with the setting unset, the acceptance rule decides. The length only changes
+what is proposed, never what is accepted (docs/EXACTNESS.md). Each tensor-parallel rank
+measures its own clock, so ranks may pick different lengths; the drafts verified are the
+output rank's on every rank: vLLM takes a proposer's draft lists from the output rank
+(``take_draft_token_ids``) and sends them to all ranks with the next step
+(``scheduled_spec_decode_tokens``).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import numpy as np
 
-from bubblespec.worker.draft_index import Candidate, DraftLength, RequestDrafter, SuffixRule
+from bubblespec.worker.draft_index import Candidate, DraftLength, RequestDrafter, StepRate, SuffixRule
 
 __all__ = ["BubbleSpecProposer", "BubbleSpecWorkerExtension", "check_expand_batch_to_tokens", "install_cpu_sampler_fix"]
 
@@ -90,8 +102,15 @@ class BubbleSpecProposer:
             max_tokens=k,
             token_budget=int(extra.get("token_budget", 256)),
             min_accept_prob=float(extra.get("min_accept_prob", 0.3)),
+            draft_token_seconds=float(extra.get("draft_token_seconds") or 0.0),
         )
         self.suffix = SuffixRule(enabled=bool(extra.get("self_suffix", False)))
+        self.rate = StepRate()  # the batch's tokens/s, for the paying rule
+        self.clock = time.perf_counter
+        self._rows: set[str] = set()  # request ids of the previous step's batch
+        if self.rule.draft_token_seconds > 0:
+            logger.info("draft length by cost: %.3g s per draft token against the batch's measured tokens/s",
+                        self.rule.draft_token_seconds)
         self.runner: Any = None
         self.vocab_size = vllm_config.model_config.get_vocab_size()
         self.errors = 0
@@ -121,6 +140,7 @@ class BubbleSpecProposer:
         req_ids = list(batch.req_ids)
         cap = self.rule.batch_cap(len(req_ids))
         rows = {rid: i for i, rid in enumerate(req_ids)}
+        tps = self._measure(rows, sampled_token_ids)
         drafters = {rid: self._drafter(rid) for rid in req_ids}
         groups: dict[int, list[int]] = {}
         for rid, d in drafters.items():
@@ -139,10 +159,20 @@ class BubbleSpecProposer:
             ]
             d.set_siblings(siblings)
             generated = token_ids_cpu[i, d.prompt_len:int(num_tokens_no_spec[i])]
-            drafts.append(d.propose(generated, cap))
+            drafts.append(d.propose(generated, cap, tps))
         for rid in [r for r in self.drafters if r not in rows]:
             self._retire(rid)
         return drafts
+
+    def _measure(self, rows: dict[str, int], sampled_token_ids) -> float:
+        """Fold this step into the batch's tokens/s and return the rate (0: none yet). Only with
+        the paying rule on: otherwise nothing reads it."""
+        if self.rule.draft_token_seconds <= 0:
+            return 0.0
+        continued = not self._rows.isdisjoint(rows)
+        self._rows = set(rows)
+        self.rate.observe(sum(len(s) for s in sampled_token_ids), self.clock(), continued)
+        return self.rate.tokens_per_second()
 
     def _drafter(self, req_id: str) -> RequestDrafter | None:
         drafter = self.drafters.get(req_id)

@@ -1,0 +1,51 @@
+"""Draft length by cost on real vLLM CPU engines (``EngineSettings.draft_token_seconds``): the
+setting reaches the proposer in the engine's process; with a cheap draft token the engine drafts
+and greedy outputs stay token-identical to speculation off (every arm of
+``check_greedy_identity``); with a draft token that costs more than a whole pass saves, the
+engine drafts nothing even from perfect drafts, and the outputs are the same."""
+
+from __future__ import annotations
+
+import pytest
+
+from bubblespec.client import SamplingParams
+from bubblespec.worker.engine import VllmEngine
+from tests.factories import token_prompts
+from tests.integration.conftest import engine_settings
+from tests.support.exactness import check_greedy_identity, check_provenance, run_engine
+
+pytestmark = pytest.mark.vllm
+CPU_TINY_DRAFT_TOKEN = 6.24e-5  # bench/sim/costs.py CPU_TINY: measured by `bubblespec calibrate` here
+
+
+@pytest.fixture(scope="module")
+async def paying_engine(tiny_model):
+    """Speculation with the paying rule at the cost measured on this machine (memory-bound)."""
+    engine = VllmEngine(engine_settings(tiny_model, num_speculative_tokens=8, draft_token_seconds=CPU_TINY_DRAFT_TOKEN))
+    await engine.start()
+    yield engine
+    await engine.shutdown()
+
+
+async def test_greedy_is_token_identical_with_the_paying_rule_on(reference_engine, paying_engine, tiny_model, tmp_path):
+    await check_greedy_identity(reference_engine, paying_engine, tiny_model, tmp_path)
+
+
+async def test_a_draft_token_that_never_pays_turns_drafting_off(reference_engine, tiny_model):
+    # one second per draft token: cost x tokens/s is far above 1, so no draft token can pay
+    engine = VllmEngine(engine_settings(tiny_model, num_speculative_tokens=8, draft_token_seconds=1.0))
+    await engine.start()
+    try:
+        prompts = token_prompts(8, seed=31)
+        sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+        expected = [o.token_ids for o in await run_engine(reference_engine, prompts, sp, tag="ref")]
+        perfect = [[("future", e)] for e in expected]
+        # until the engine has measured a step it drafts by acceptance alone: a first batch measures it
+        await run_engine(engine, prompts[:2], sp, perfect[:2], tag="warm")
+        outs = await run_engine(engine, prompts, sp, perfect, tag="dear")
+        assert [o.token_ids for o in outs] == expected
+        drafted, _ = check_provenance(outs, drafts_on=True, arm="dear")
+        assert drafted == 0, f"{drafted} draft tokens proposed where none could pay"
+        assert [o.provenance.forward_passes for o in outs] == [len(e) for e in expected]  # one token per pass
+    finally:
+        await engine.shutdown()
