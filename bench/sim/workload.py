@@ -160,18 +160,31 @@ class Workload:
         zs = rng.standard_normal((prompts, samples))
         acc = rng.standard_normal((prompts, samples))
         dz = rng.standard_normal((prompts, self.draft_samples))
-        out = []
-        for i in range(prompts):
-            scale = float(scales[i])
-            out.append(SimPrompt(
+        s0, s1 = 1 + step % 30000, 1 + step // 30000
+        return [
+            SimPrompt(
                 prompt_id=f"p{i}",
-                token_ids=(1 + step % 30000, 1 + step // 30000, 1 + i % 30000, 1 + i // 30000),
+                token_ids=(s0, s1, 1 + i % 30000, 1 + i // 30000),
                 scale=scale,
-                lengths=[lm.length(scale, float(z)) for z in zs[i]],
-                accept_z=[float(a) for a in acc[i]],
-                draft_z=[float(z) for z in dz[i]],
-            ))
-        return out
+                lengths=lengths,
+                accept_z=a_row,
+                draft_z=d_row,
+            )  # ``tolist``: the very doubles of the arrays, as Python floats
+            for i, (scale, lengths, a_row, d_row) in enumerate(
+                zip(scales.tolist(), _lengths(lm, scales, zs), acc.tolist(), dz.tolist()))
+        ]
+
+
+def _lengths(lm: LengthModel, scales: np.ndarray, zs: np.ndarray) -> list[list[int]]:
+    """``lm.length(scales[i], zs[i, j])`` for every sample, as lists, bit for bit: the products
+    are IEEE multiplications either way, ``exp`` stays ``math.exp`` (numpy's may differ in the
+    last bit) and ``rint`` rounds half to even as ``round`` does. Non-finite values (only from
+    extreme settings) take the scalar path, which raises as it always did."""
+    noise = np.array(list(map(math.exp, (lm.sample_sigma * zs).ravel().tolist())), dtype=np.float64)
+    raw = scales[:, None] * noise.reshape(zs.shape)
+    if not np.isfinite(raw).all():
+        return [[lm.length(float(s), float(z)) for z in row] for s, row in zip(scales, zs)]
+    return np.clip(np.rint(raw), 1, lm.max_tokens).astype(np.int64).tolist()
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,14 @@ def _is_real(x: object) -> bool:
     return _is_int(x) or isinstance(x, float)
 
 
+def _plain_ids_in_vocab(ids: tuple[object, ...], vocab_size: int) -> bool:
+    """Fast path of the per-token check (a step's prompts: 65,536 with the lookahead at the
+    simulator's scale): True when every id is a plain ``int`` in [0, vocab_size). False only
+    sends the ids through the per-token loop, which accepts int subclasses other than bool
+    as before and names the first bad id."""
+    return not ids or (all(type(t) is int for t in ids) and min(ids) >= 0 and max(ids) < vocab_size)  # type: ignore[operator]
+
+
 def check_sampling(sp: SamplingParams, limits: Limits, model: ModelLimits) -> None:
     if not _is_int(sp.n) or not 1 <= sp.n <= limits.max_samples:
         raise InvalidRequest("sampling.n", f"must be between 1 and {limits.max_samples}, got {sp.n!r:.40}")
@@ -148,10 +156,11 @@ def prompt_tokens(p: Prompt, field: str, model: ModelLimits, tokenize: Tokenize 
             raise InvalidRequest(f"{field}.text", f"tokenizes to {bad!r:.40}, outside the vocabulary [0, {model.vocab_size})")
     else:
         ids = tuple(p.token_ids)  # type: ignore[arg-type]
-        for j, tok in enumerate(ids):
-            if not _is_int(tok) or not 0 <= tok < model.vocab_size:
-                raise InvalidRequest(f"{field}.token_ids[{j}]",
-                                     f"{tok!r:.40} is outside the vocabulary [0, {model.vocab_size})")
+        if not _plain_ids_in_vocab(ids, model.vocab_size):  # else: find the first bad one, name it
+            for j, tok in enumerate(ids):
+                if not _is_int(tok) or not 0 <= tok < model.vocab_size:
+                    raise InvalidRequest(f"{field}.token_ids[{j}]",
+                                         f"{tok!r:.40} is outside the vocabulary [0, {model.vocab_size})")
     if not ids:
         raise InvalidRequest(field, "prompt is empty")
     if len(ids) >= model.max_model_len:
