@@ -20,11 +20,10 @@ import math
 import random
 import statistics
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-from bubblespec.client.types import (LOGPROBS_MODES, Completion, Provenance, SamplingParams, SchedulingPolicy,
-                                     SourceStats, StepSummary)
+from bubblespec.client.types import LOGPROBS_MODES, Completion, SamplingParams, SchedulingPolicy, StepSummary
 from bubblespec.scheduler.core.balance import Balancer
 from bubblespec.scheduler.core.checks import check_completion
 from bubblespec.scheduler.core.drafting import DraftPlanner, draft_seed, job_sampling
@@ -45,6 +44,7 @@ from bubblespec.scheduler.core.history import LengthHistory
 from bubblespec.scheduler.core.pause import Pauser
 from bubblespec.scheduler.core.policy import PolicyBarrier
 from bubblespec.scheduler.core.records import RequestState, StepState, WorkerState
+from bubblespec.scheduler.core.records import total_provenance as _total
 from bubblespec.scheduler.core.timing import TimeAccounting
 from bubblespec.scheduler.core.types import (
     Abort,
@@ -774,23 +774,6 @@ def _not_running(worker_id: str, kind: str, key: str) -> Ignored:
 
 
 _step_of = step_of
-
-
-def _total(provenances: Iterable[Provenance]) -> Provenance:
-    """``sum(provenances, Provenance())`` in one pass: the same forward passes, and the same
-    per-source sums in the same (sorted) order, without a new ``Provenance`` per completion
-    (a step of 262,144 completions ends in one call)."""
-    passes = 0
-    merged: dict[str, list[int]] = {}
-    for p in provenances:
-        passes += p.forward_passes
-        for s in p.sources:
-            acc = merged.get(s.source)
-            if acc is None:
-                acc = merged[s.source] = [0, 0]
-            acc[0] += s.drafted_tokens
-            acc[1] += s.accepted_tokens
-    return Provenance(passes, tuple(SourceStats(k, d, a) for k, (d, a) in sorted(merged.items())))
 
 
 def _expand(spec: StepSpec) -> list[RequestSpec]:

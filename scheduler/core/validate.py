@@ -11,6 +11,7 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from bubblespec.client.types import LOGPROBS_MODES, Prompt, SamplingParams, SchedulingPolicy
 from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits, PromptSpec, StepSpec
@@ -103,7 +104,12 @@ def _plain_ids_in_vocab(ids: tuple[object, ...], vocab_size: int) -> bool:
     simulator's scale): True when every id is a plain ``int`` in [0, vocab_size). False only
     sends the ids through the per-token loop, which accepts int subclasses other than bool
     as before and names the first bad id."""
-    return not ids or (all(type(t) is int for t in ids) and min(ids) >= 0 and max(ids) < vocab_size)  # type: ignore[operator]
+    if not ids:
+        return True
+    if not all(type(t) is int for t in ids):
+        return False
+    ints = cast("tuple[int, ...]", ids)
+    return min(ints) >= 0 and max(ints) < vocab_size
 
 
 def check_sampling(sp: SamplingParams, limits: Limits, model: ModelLimits) -> None:
