@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from bubblespec.bench.sim.costs import CostProfile
-from bubblespec.bench.sim.workload import AcceptanceModel, Workload, expected_accepted
+from bubblespec.bench.sim.workload import AcceptanceModel, Workload
 
 __all__ = ["Ceiling", "best_rate", "step_ceiling"]
 
@@ -33,11 +33,12 @@ __all__ = ["Ceiling", "best_rate", "step_ceiling"]
 def best_rate(alpha: float, profile: CostProfile, most: int) -> float:
     """Tokens per second of a request alone on a worker drafting at per-token acceptance
     ``alpha``, at the draft length (0..``most``) that makes the most of it."""
-    return max((1 + expected_accepted(alpha, k)) / profile.step_seconds(1, k) for k in range(most + 1))
+    return float(_best_rates(np.array([alpha]), profile, most)[0])
 
 
 def _best_rates(alphas: np.ndarray, profile: CostProfile, most: int) -> np.ndarray:
-    """``best_rate`` of each of ``alphas`` (the same sums, for a step's requests at once)."""
+    """``best_rate`` of each of ``alphas`` (a step's requests at once): the expected accepted
+    tokens ``alpha (1 - alpha**k) / (1 - alpha)`` of ``workload.expected_accepted``, per ``k``."""
     k = np.arange(most + 1)
     a = np.clip(alphas, 0.0, 0.999999)[:, None]
     accepted = a * (1 - a ** k) / (1 - a)
