@@ -101,6 +101,18 @@ async def workers_joined(sdk: AsyncRolloutClient, count: int) -> None:
     await until(joined, what=f"{count} workers joined")
 
 
+async def _journaled_completions(redis_url: str, step_id: str) -> int:
+    """Completions of ``step_id`` in the scheduler's journal (its step hash, less the fingerprint)."""
+    import redis.asyncio as aioredis
+
+    r = aioredis.from_url(redis_url)
+    try:
+        keys = [k async for k in r.scan_iter(match=f"*step:{step_id}")]
+        return sum([max(0, await r.hlen(k) - 1) for k in keys])
+    finally:
+        await r.aclose()
+
+
 async def test_scheduler_sigkill_and_restart_with_default_settings(cluster, redis_server, tmp_path):
     redis_url = redis_server.url.rsplit("/", 1)[0] + "/7"  # a database of its own: a fresh journal
     sched = SchedulerProcess(tmp_path / "scheduler.log", redis_url)
@@ -119,6 +131,12 @@ async def test_scheduler_sigkill_and_restart_with_default_settings(cluster, redi
             gen = asyncio.create_task(sdk.generate("crash", prompts, GREEDY, n=2, policy_version=version, drafts=False,
                                                    on_progress=lambda done, total: seen.append(done)))
             await until(lambda: len(seen) >= 6 or gen.done(), what="six completions")
+            # journal writes are asynchronous (and completions come in batches): the kill must come
+            # after at least one of them reached Redis, or there is nothing to replay
+            journaled = await _journaled_completions(redis_url, "crash")
+            while journaled < 1 and not gen.done():
+                await asyncio.sleep(0.02)
+                journaled = await _journaled_completions(redis_url, "crash")
             sched.signal(signal.SIGKILL)  # mid-step, no goodbye: sockets reset, queued journal writes lost
             at_crash = len(seen)
             sched.proc.wait()
