@@ -53,7 +53,7 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
     _add(p, "default-logprobs-mode", "processed", "logprobs of steps that name none: processed | raw")
 
 
-def _engine_flags(p: argparse.ArgumentParser, speculative_tokens: int = 8) -> None:
+def _engine_flags(p: argparse.ArgumentParser, speculative_tokens: int = 8, draft_token_seconds: float = 0.0) -> None:
     _add(p, "model", "", "model directory (default for up/demo: the tiny test model)")
     _add(p, "max-model-len", 1024, "longest prompt + response")
     _add(p, "max-num-seqs", 64, "concurrent requests per engine (capacity)")
@@ -65,8 +65,10 @@ def _engine_flags(p: argparse.ArgumentParser, speculative_tokens: int = 8) -> No
     _add(p, "logprobs-mode", "processed", "returned logprobs: processed (temperature/top-k/top-p applied) | raw")
     _add(p, "self-suffix-drafting", False, "where no stored or sibling draft continues a request, draft from its own "
          "prompt + output (draft source 'suffix'; exact either way)")
-    _add(p, "draft-token-seconds", 0.0, "seconds one draft token adds to a pass (per_draft_token_seconds from "
+    _add(p, "draft-token-seconds", draft_token_seconds, "seconds one draft token adds to a pass (per_draft_token_seconds from "
          "`bubblespec calibrate`): draft length by cost, none where it costs more than it saves (0 = by acceptance only)")
+    _add(p, "draft-for-makespan", True, "with --draft-token-seconds: draft lengths that end the batch's last request "
+         "soonest (deep for the long requests, none for the short) instead of the batch's most tokens/s")
     _add(p, "allow-unsupported-vllm", False, "start on a vLLM release the worker was not checked against "
          "(exactness UNVERIFIED; logged loudly)")
     _add(p, "unsafe-skip-self-checks", False, "UNSAFE: skip the start-up self-checks (drafts, CPU sampler fix, "
@@ -124,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_flags(demo)
     sub.add_parser("simulate", help="cluster simulator: the scheduling core at 8-4,096 workers (see --help)",
                    add_help=False)
+    from bubblespec.bench.sim.costs import CPU_TINY
+
     bench = sub.add_parser("bench", help="baseline vs BubbleSpec on the same RL steps, side by side")
     _add(bench, "workers", 2, "number of vLLM workers")
     _add(bench, "steps", 5, "RL steps per arm")
@@ -141,7 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add(bench, "json", "", "write the report here")
     bench.add_argument("--quick", action="store_true", help="3 steps x 16 prompts (a few minutes)")
     _verbose_flag(bench)
-    _engine_flags(bench, speculative_tokens=32)  # deep drafts for the tail (docs/BENCHMARKS.md)
+    # deep drafts for the tail, and draft length by cost: the bench's model on this CPU costs
+    # CPU_TINY.per_draft_token_seconds per draft token, measured by `bubblespec calibrate` (docs/BENCHMARKS.md)
+    _engine_flags(bench, speculative_tokens=32, draft_token_seconds=CPU_TINY.per_draft_token_seconds)
     cal = sub.add_parser("calibrate", help="measure an engine's cost per forward pass (the simulator's cost model)")
     _add(cal, "repeats", 3, "runs per measured point (median)")
     _add(cal, "json", "", "write the observations and fitted profile here")

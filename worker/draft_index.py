@@ -290,13 +290,24 @@ class RequestDrafter:
         if self._cursor is not None and self._cursor[0] >= self._static:
             self._cursor = None  # sibling contents moved on; search again
 
-    def propose(self, generated: np.ndarray, cap: int, tokens_per_second: float = 0.0) -> list[int]:
+    def coverage(self, generated: np.ndarray) -> int:
+        """Tokens of the candidate that continues ``generated`` left past it (0: none does);
+        for a ``future`` or ``history`` draft, a prediction of what this request still has to
+        generate (``tail_drafts``)."""
+        pos = self._advance(generated) if self.candidates else None
+        return 0 if pos is None else max(0, len(self.candidates[pos[0]].tokens) - pos[1])
+
+    def propose(self, generated: np.ndarray, cap: int, tokens_per_second: float = 0.0, k: int | None = None) -> list[int]:
         """Draft tokens to follow ``generated`` (this request's output so far): from a
         candidate where one continues it, else from the request's own text (``SuffixRule``).
-        ``tokens_per_second``: the batch's rate, for the paying rule (``DraftLength``)."""
+        ``tokens_per_second``: the batch's rate, for the paying rule (``DraftLength``); ``k``: a
+        length decided for the batch (``tail_drafts``) instead of the rule's, for the candidate
+        that continues the request (then nothing comes from the request's own text)."""
         if self._suffix is not None:
             self._sync_suffix(generated)
-        k = self.rule.for_request(self.accept, self.stats.forward_passes, cap, tokens_per_second)
+        decided = k is not None
+        if k is None:
+            k = self.rule.for_request(self.accept, self.stats.forward_passes, cap, tokens_per_second)
         pos = self._advance(generated) if k > 0 and self.candidates else None
         if pos is not None:
             idx, at = pos
@@ -305,7 +316,7 @@ class RequestDrafter:
             if len(draft):
                 self._last = (cand.source, len(draft))
                 return draft.tolist()
-        if self._suffix is None:
+        if self._suffix is None or decided:
             return []
         drafted = self._suffix.propose(
             self.rule.for_request(self.suffix_accept, self.stats.forward_passes, cap, tokens_per_second))

@@ -56,6 +56,11 @@ class EngineSettings:
     model on 2 vCPUs measured 6.2e-5 s; a real model costs orders of magnitude more on a CPU
     and far less per parameter on a GPU), and a wrong number turns drafting off where it pays or
     on where it does not. Exact whatever the value (docs/EXACTNESS.md)."""
+    draft_for_makespan: bool = True
+    """With ``draft_token_seconds`` set: requests that a stored or sibling draft continues get
+    the lengths that end the batch's *last* request soonest (``tail_drafts``: deep drafts for
+    the long ones, none for those that end early anyway) instead of the lengths that maximise
+    the batch's tokens/s. Off: the paying rule for every request. Exact either way."""
     kv_cache_memory_bytes: int = 256 * 2**20
     """KV cache size (CPU engines); 0 lets vLLM size it from gpu_memory_utilization."""
     gpu_memory_utilization: float = 0.85
@@ -220,7 +225,8 @@ class VllmEngine:
             additional_config={"bubblespec": {"token_budget": s.draft_token_budget,
                                               "cpu_sampler_fix": s.cpu_sampler_fix,
                                               "self_suffix": s.self_suffix_drafting,
-                                              "draft_token_seconds": s.draft_token_seconds},
+                                              "draft_token_seconds": s.draft_token_seconds,
+                                              "makespan": s.draft_for_makespan},
                                # engine processes die with this one; their core binding is theirs alone
                                "bubblespec_lifeline": Lifeline(environ=_child_environ(s))},
             enable_prefix_caching=True,

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from bubblespec.worker.draft_index import Candidate, DraftLength, RequestDrafter, StepRate, SuffixRule
+from bubblespec.worker.tail_drafts import makespan_draft_tokens
 
 __all__ = ["BubbleSpecProposer", "BubbleSpecWorkerExtension", "check_expand_batch_to_tokens", "install_cpu_sampler_fix"]
 
@@ -105,7 +106,10 @@ class BubbleSpecProposer:
             draft_token_seconds=float(extra.get("draft_token_seconds") or 0.0),
         )
         self.suffix = SuffixRule(enabled=bool(extra.get("self_suffix", False)))
+        self.makespan = bool(extra.get("makespan", False))  # tail_drafts, with the paying rule
         self.rate = StepRate()  # the batch's tokens/s, for the paying rule
+        self.drafted = 0.0  # draft tokens per step, averaged as the rate's seconds are (the pass without them)
+        self._proposed = 0  # draft tokens proposed at the previous step (verified in this one)
         self.clock = time.perf_counter
         self._rows: set[str] = set()  # request ids of the previous step's batch
         if self.rule.draft_token_seconds > 0:
@@ -146,11 +150,10 @@ class BubbleSpecProposer:
         for rid, d in drafters.items():
             if d is not None:
                 groups.setdefault(d.prompt_hash, []).append(rows[rid])
-        drafts: list[list[int]] = []
+        live: list[tuple[int, RequestDrafter, np.ndarray]] = []
         for i, sampled in enumerate(sampled_token_ids):
             d = drafters[req_ids[i]]
             if d is None or len(sampled) == 0:
-                drafts.append([])
                 continue
             d.observe(len(sampled))
             siblings = [
@@ -158,11 +161,27 @@ class BubbleSpecProposer:
                 for r in groups[d.prompt_hash] if r != i
             ]
             d.set_siblings(siblings)
-            generated = token_ids_cpu[i, d.prompt_len:int(num_tokens_no_spec[i])]
-            drafts.append(d.propose(generated, cap, tps))
+            live.append((i, d, token_ids_cpu[i, d.prompt_len:int(num_tokens_no_spec[i])]))
+        lengths = self._makespan_lengths(live) if self.makespan and tps > 0 else {}
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        for i, d, generated in live:
+            drafts[i] = d.propose(generated, cap, tps, lengths.get(i))
         for rid in [r for r in self.drafters if r not in rows]:
             self._retire(rid)
+        self._proposed = sum(map(len, drafts))
         return drafts
+
+    def _makespan_lengths(self, live: list[tuple[int, RequestDrafter, np.ndarray]]) -> dict[int, int]:
+        """Row -> draft length from ``tail_drafts`` for the rows a candidate continues; the pass
+        without drafts is the measured step time less what the step's draft tokens cost."""
+        covered = [(i, d, n) for i, d, g in live if (n := d.coverage(g)) > 0]
+        if not covered:
+            return {}
+        c = self.rule.draft_token_seconds
+        bare = max(0.25 * self.rate.seconds, self.rate.seconds - c * self.drafted)
+        k = makespan_draft_tokens([n for _, _, n in covered], [d.accept for _, d, _ in covered],
+                                  [self.rule.max_tokens] * len(covered), bare, c)
+        return {i: int(x) for (i, _, _), x in zip(covered, k)}
 
     def _measure(self, rows: dict[str, int], sampled_token_ids) -> float:
         """Fold this step into the batch's tokens/s and return the rate (0: none yet). Only with
@@ -172,6 +191,8 @@ class BubbleSpecProposer:
         continued = not self._rows.isdisjoint(rows)
         self._rows = set(rows)
         self.rate.observe(sum(len(s) for s in sampled_token_ids), self.clock(), continued)
+        if continued:  # the step just measured verified what was proposed at the one before
+            self.drafted += self.rate.ema * (self._proposed - self.drafted)
         return self.rate.tokens_per_second()
 
     def _drafter(self, req_id: str) -> RequestDrafter | None:

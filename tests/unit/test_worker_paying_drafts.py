@@ -184,6 +184,15 @@ def test_the_cost_reaches_the_engine_from_the_flag_and_the_environment(monkeypat
     assert _engine_settings(build_parser().parse_args(["worker"])).draft_token_seconds == 1e-4
 
 
+def test_the_bench_drafts_by_the_calibrated_cost_of_its_own_model_unless_told_otherwise() -> None:
+    from bubblespec.bench.sim.costs import CPU_TINY
+
+    assert build_parser().parse_args(["bench"]).draft_token_seconds == CPU_TINY.per_draft_token_seconds
+    assert build_parser().parse_args(["bench", "--draft-token-seconds", "0"]).draft_token_seconds == 0.0
+    for command in ("worker", "up", "demo"):  # a model of unknown cost: by acceptance only
+        assert build_parser().parse_args([command]).draft_token_seconds == 0.0, command
+
+
 def test_self_suffix_drafts_follow_the_paying_rule_too() -> None:
     rule = DraftLength(max_tokens=8, draft_token_seconds=1e-3)
     prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
