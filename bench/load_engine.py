@@ -5,10 +5,13 @@ plane (``bubblespec loadtest``). It loads no model and computes no logits: its t
 pseudo-random and its logprobs are made up. It is never a substitute for vLLM in a test that
 claims real generation, and it says so: its model name is ``"simulated"``.
 
-Cost model. One engine-step loop per engine advances every running request by one token per
-step, the way a continuous-batching engine does; a step lasts
+Cost model. Each engine step advances every running request by one token, the way a
+continuous-batching engine does; a step lasts
 ``step_seconds + batch_slope_seconds * (running - 1)``, so a fuller batch decodes each request
-more slowly. At most ``max_num_seqs`` requests run; later ones wait for a free slot.
+more slowly. At most ``max_num_seqs`` requests run; later ones wait for a free slot. The engine
+wakes only when something happens (a request's progress output or end, an arrival), not at
+every step, so hundreds of simulated engines in one process cost little more than their
+requests; an event loop that is late delays the event, not every step until it.
 
 Tokens. Each request draws from its own generator, seeded by a hash of the prompt token ids
 and, for temperature > 0, the request's sampling seed: greedy requests (temperature 0) are
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import heapq
 import math
 import random
 from collections import deque
@@ -87,18 +91,18 @@ class LoadEngineSettings:
 
 @dataclass(eq=False)
 class _Run:
-    """One request inside the engine."""
+    """One request inside the engine. Its whole response is drawn when it is queued (``_draw``:
+    the same tokens, one at a time from its own generator, as drawing each at its step); the
+    engine's steps only reveal it, ``shown`` growing at each progress output."""
 
     key: str
-    rng: random.Random
-    limit: int  # most tokens it may produce (max_tokens capped by the model length)
-    eos_at: int | None  # response length at which EOS comes (None: ignore_eos)
-    stop_ids: frozenset[int]
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    reason: FinishReason | None = None
+    tokens: tuple[int, ...]  # the whole response
+    logprobs: tuple[float, ...]
+    reason: FinishReason  # how it ends
+    shown: list[int] = field(default_factory=list)  # the tokens revealed so far (a live list)
+    start: int = -1  # the engine step after which it was admitted (-1: waiting)
+    done: bool = False  # every token revealed: the final output is ready
     aborted: bool = False
-    reported: int = 0
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -118,8 +122,12 @@ class LoadTestEngine:
         self._rng = random.Random(settings.seed)
         self._running: dict[str, _Run] = {}
         self._waiting: deque[_Run] = deque()
-        self._work = asyncio.Event()
-        self._loop: asyncio.Task | None = None
+        self._events: list[tuple[int, int, _Run]] = []  # (engine step of a run's next output, order, run), a heap
+        self._order = 0
+        self._timer: asyncio.TimerHandle | None = None  # ends the steps up to ``_timer_step``
+        self._timer_step = 0
+        self._step_at = 0.0  # loop time at which step ``engine_steps`` ended
+        self._started = False
 
     @property
     def num_running(self) -> int:
@@ -132,19 +140,18 @@ class LoadTestEngine:
             run.wake.set()
 
     async def start(self) -> None:
-        if self._loop is None:
-            self._loop = asyncio.create_task(self._step_loop(), name="simulated-engine-steps")
+        self._started = True
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         """Yield progress (``token_ids`` is a live list, valid until the next yield), then the
         final output (tuples, ``finish_reason`` set). An aborted request ends without one."""
-        if self._loop is None:
+        if not self._started:
             raise RuntimeError("engine not started")
         if self.dead:
             raise RuntimeError("engine died")
         run = self._new_run(request)
         self._waiting.append(run)
-        self._work.set()
+        self._arrived()
         try:
             while True:
                 await run.wake.wait()
@@ -153,13 +160,11 @@ class LoadTestEngine:
                     raise RuntimeError("engine died")
                 if run.aborted:
                     return
-                if run.reason is not None:
+                if run.done:
                     break
-                run.reported = len(run.tokens)
-                yield EngineOutput(run.key, run.tokens)  # type: ignore[arg-type]
-            tokens = tuple(run.tokens)
-            yield EngineOutput(run.key, tokens, tuple(run.logprobs), "", run.reason,
-                               Provenance(forward_passes=len(tokens)))
+                yield EngineOutput(run.key, run.shown)  # type: ignore[arg-type]
+            yield EngineOutput(run.key, run.tokens, run.logprobs, "", run.reason,
+                               Provenance(forward_passes=len(run.tokens)))
         finally:
             self._drop(run)
 
@@ -184,15 +189,16 @@ class LoadTestEngine:
         raise RuntimeError(f"{op}: the simulated engine has no weight transfer")
 
     async def shutdown(self) -> None:
-        if self._loop is not None:
-            self._loop.cancel()
-            await asyncio.gather(self._loop, return_exceptions=True)
-            self._loop = None
+        self._started = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         for run in [*self._running.values(), *self._waiting]:
             run.aborted = True
             run.wake.set()
         self._running.clear()
         self._waiting.clear()
+        self._events.clear()
 
     # ------------------------------------------------------------- internals --
 
@@ -213,44 +219,116 @@ class LoadTestEngine:
             rng = random.Random(self._rng.getrandbits(64))
         length = max(1, round(rng.lognormvariate(math.log(s.median_tokens), s.length_sigma)))
         limit = max(1, min(sp.max_tokens, s.max_model_len - len(prompt)))
-        return _Run(request.key, rng, limit, None if sp.ignore_eos else length, frozenset(sp.stop_token_ids))
+        return _Run(request.key, *self._draw(rng, limit, None if sp.ignore_eos else length, frozenset(sp.stop_token_ids)))
 
-    async def _step_loop(self) -> None:
-        s = self.settings
+    def _draw(self, rng: random.Random, limit: int, eos_at: int | None,
+              stop_ids: frozenset[int]) -> tuple[tuple[int, ...], tuple[float, ...], FinishReason]:
+        """A whole response, token by token from ``rng`` (each a token id, then its logprob):
+        EOS at ``eos_at`` tokens (None: never), a stop id or ``limit`` tokens end it."""
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        # rng.randrange(FIRST_TOKEN_ID, vocab_size) and -rng.expovariate(2.0), inlined: the same
+        # draws (CPython's rejection sampling with getrandbits; -log(1 - random()) / lambda)
+        width = self.settings.vocab_size - FIRST_TOKEN_ID
+        bits = width.bit_length()
+        getrandbits, uniform, log = rng.getrandbits, rng.random, math.log
         while True:
-            self._admit()
-            if not self._running:
-                self._work.clear()
-                await self._work.wait()
-                continue
-            await asyncio.sleep(s.step_seconds + s.batch_slope_seconds * (len(self._running) - 1))
-            self.engine_steps += 1
-            for run in list(self._running.values()):
-                self._advance(run)
-                if run.reason is not None:
-                    del self._running[run.key]
-                    run.wake.set()
-                elif len(run.tokens) - run.reported >= s.progress_tokens:
-                    run.wake.set()
+            n = len(tokens) + 1
+            if eos_at is not None and n >= eos_at:
+                token = EOS_TOKEN_ID
+            else:
+                r = getrandbits(bits)
+                while r >= width:
+                    r = getrandbits(bits)
+                token = FIRST_TOKEN_ID + r
+            tokens.append(token)
+            logprobs.append(-(-log(1.0 - uniform()) / 2.0))
+            if token == EOS_TOKEN_ID or token in stop_ids:
+                return tuple(tokens), tuple(logprobs), FinishReason.STOP
+            if n >= limit:
+                return tuple(tokens), tuple(logprobs), FinishReason.LENGTH
+
+    # The steps. Every running request gains one token per step, and nothing but a request's
+    # progress output, its end or an arrival changes what the engine does; so the engine sleeps
+    # from one such event to the next (one timer, not one per step) and reveals the tokens of
+    # the steps in between at once. A step lasts ``step_seconds + batch_slope_seconds *
+    # (running - 1)`` for the running count between two events; a request that arrives while
+    # a slot is free joins at the end of the step in progress, as it would in a step loop.
+
+    def _step_seconds(self) -> float:
+        s = self.settings
+        return s.step_seconds + s.batch_slope_seconds * (len(self._running) - 1)
+
+    def _arrived(self) -> None:
+        """A request was queued: an idle engine starts stepping now; a busy one with a free
+        slot ends its timer at the end of the step in progress, where the request joins."""
+        if len(self._running) >= self.settings.max_num_seqs:
+            return  # it joins when a request ends (an event)
+        loop = asyncio.get_running_loop()
+        if not self._running:  # idle: start stepping as soon as the loop comes round, with whatever arrived by then
+            if self._timer is None or self._timer_step != self.engine_steps:
+                if self._timer is not None:
+                    self._timer.cancel()
+                self._timer_step = self.engine_steps
+                self._timer = loop.call_at(loop.time(), self._steps_done)
+            return
+        seconds = self._step_seconds()
+        ahead = 1 if seconds <= 0 else int((loop.time() - self._step_at) / seconds) + 1  # the step in progress
+        if self._timer is None or self.engine_steps + ahead < self._timer_step:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer_step = self.engine_steps + ahead
+            self._timer = loop.call_at(self._step_at + ahead * seconds, self._steps_done)
+
+    def _steps_done(self) -> None:
+        """The timer: the steps up to ``_timer_step`` have run (they end now)."""
+        loop = asyncio.get_running_loop()
+        self._timer = None
+        self._step_at = loop.time()
+        self.engine_steps = self._timer_step
+        self._reveal()
+        self._admit()
+        self._schedule(loop)
+
+    def _reveal(self) -> None:
+        """The outputs due by now: a finished request's end, another's progress."""
+        step, events = self.engine_steps, self._events
+        while events and events[0][0] <= step:
+            run = heapq.heappop(events)[2]
+            if self._running.get(run.key) is not run:
+                continue  # aborted or dropped meanwhile
+            made = step - run.start
+            if made >= len(run.tokens):
+                run.done = True
+                del self._running[run.key]
+            else:
+                run.shown.extend(run.tokens[len(run.shown):made])
+                self._next_event(run)
+            run.wake.set()
 
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.settings.max_num_seqs:
             run = self._waiting.popleft()
+            run.start = self.engine_steps
             self._running[run.key] = run
+            self._next_event(run)
 
-    def _advance(self, run: _Run) -> None:
-        """One decode step of one request: one token, its logprob, maybe the end."""
-        n = len(run.tokens) + 1
-        if run.eos_at is not None and n >= run.eos_at:
-            token = EOS_TOKEN_ID
-        else:
-            token = run.rng.randrange(FIRST_TOKEN_ID, self.settings.vocab_size)
-        run.tokens.append(token)
-        run.logprobs.append(-run.rng.expovariate(2.0))
-        if token == EOS_TOKEN_ID or token in run.stop_ids:
-            run.reason = FinishReason.STOP
-        elif n >= run.limit:
-            run.reason = FinishReason.LENGTH
+    def _next_event(self, run: _Run) -> None:
+        """Queue ``run``'s next output: its end, or ``progress_tokens`` more tokens."""
+        made = min(len(run.tokens), len(run.shown) + self.settings.progress_tokens)
+        self._order += 1
+        heapq.heappush(self._events, (run.start + made, self._order, run))
+
+    def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Set the timer for the next event of a running request (none: the engine idles)."""
+        events = self._events
+        while events and self._running.get(events[0][2].key) is not events[0][2]:
+            heapq.heappop(events)
+        if not events:
+            return
+        self._timer_step = events[0][0]
+        self._timer = loop.call_at(self._step_at + (self._timer_step - self.engine_steps) * self._step_seconds(),
+                                   self._steps_done)
 
     def _drop(self, run: _Run) -> None:
         if self._running.get(run.key) is run:

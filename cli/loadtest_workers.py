@@ -278,8 +278,11 @@ class WorkerProcesses:
 if __name__ == "__main__":
     import logging
 
+    from bubblespec.scheduler.server import _tune_gc
+
     logging.basicConfig(level=logging.ERROR, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _config = json.loads(sys.argv[1])
+    _tune_gc()  # as in the scheduler: dozens of agents allocate several objects per request; fewer young collections
     if os.environ.get("BUBBLESPEC_LOADTEST_WORKER_PROFILE"):  # diagnosis: cProfile of each worker process, at exit
         import cProfile
 

@@ -90,10 +90,22 @@ def provenance_to_pb(p: Provenance) -> pb.Provenance:
 
 
 def provenance_from_pb(msg: pb.Provenance) -> Provenance:
+    if not msg.sources:  # most completions (no drafts): one shared, immutable object per forward-pass count
+        passes = msg.forward_passes
+        known = _PLAIN_PROVENANCE.get(passes)
+        if known is None:
+            known = Provenance(passes)
+            if len(_PLAIN_PROVENANCE) < _PLAIN_PROVENANCE_MAX:
+                _PLAIN_PROVENANCE[passes] = known
+        return known
     return Provenance(
         forward_passes=msg.forward_passes,
         sources=tuple(SourceStats(s.source, s.drafted_tokens, s.accepted_tokens) for s in msg.sources),
     )
+
+
+_PLAIN_PROVENANCE_MAX = 4096
+_PLAIN_PROVENANCE: dict[int, Provenance] = {}
 
 
 def completion_to_pb(c: Completion) -> pb.Completion:
@@ -106,13 +118,10 @@ def completion_to_pb(c: Completion) -> pb.Completion:
 
 
 def completion_from_pb(msg: pb.Completion) -> Completion:
-    return Completion(
-        step_id=msg.step_id, prompt_id=msg.prompt_id, sample_index=msg.sample_index,
-        token_ids=tuple(msg.token_ids), logprobs=tuple(msg.logprobs), text=msg.text,
-        finish_reason=_FINISH_FROM_PB.get(msg.finish_reason, FinishReason.STOP),
-        policy_version=msg.policy_version, worker_id=msg.worker_id, prompt_tokens=msg.prompt_tokens,
-        provenance=provenance_from_pb(msg.provenance),
-    )
+    # positional, in Completion's field order (cheaper than keywords on the scheduler's per-completion path)
+    return Completion(msg.step_id, msg.prompt_id, msg.sample_index, tuple(msg.token_ids), tuple(msg.logprobs),
+                      msg.text, _FINISH_FROM_PB.get(msg.finish_reason, FinishReason.STOP), msg.policy_version,
+                      msg.worker_id, msg.prompt_tokens, provenance_from_pb(msg.provenance))
 
 
 def summary_to_pb(s: StepSummary) -> pb.StepSummary:

@@ -75,9 +75,9 @@ class StepJournal:
         self.rejected = 0
         """Records dropped on read: MAC mismatch, undecodable, or failing the replay checks."""
         self._secret = secret
-        self._keyed: hmac.HMAC | None = None
+        self._keyed = None  # the keyed HMAC state, computed once (_mac)
         self.batch_seconds = batch_seconds
-        self._writes: asyncio.Queue = asyncio.Queue()
+        self._writes = _Writes()
         self._flushing = asyncio.Event()  # a flush waits: write what is queued now
         self._task: asyncio.Task | None = None
 
@@ -129,15 +129,14 @@ class StepJournal:
     async def _writer(self) -> None:
         """Write queued items in order, everything queued so far in one pipeline."""
         while True:
-            batch = [await self._writes.get()]
+            await self._writes.wait()
             if self.batch_seconds > 0 and not self._flushing.is_set():  # let more writes join this one
                 try:
                     await asyncio.wait_for(self._flushing.wait(), self.batch_seconds)
                 except TimeoutError:
                     pass
             self._flushing.clear()  # everything queued so far goes now, flushes included
-            while not self._writes.empty():
-                batch.append(self._writes.get_nowait())
+            batch = self._writes.take()
             writes = [item for item in batch if not isinstance(item, asyncio.Future)]
             try:
                 if writes:
@@ -255,7 +254,8 @@ class StepJournal:
 
     def _mac(self, key: str, field: str, payload: bytes) -> bytes:
         if self._keyed is None:
-            self._keyed = hmac.new(self._secret, _DOMAIN, hashlib.sha256)
+            keyed = hmac.new(self._secret, _DOMAIN, hashlib.sha256)
+            self._keyed = getattr(keyed, "_hmac", None) or keyed  # OpenSSL's own HMAC object where hmac wraps one
         mac = self._keyed.copy()  # the keyed state once, not per record
         k, f = key.encode(), field.encode()
         mac.update(b"".join((struct.pack(">Q", len(k)), k, struct.pack(">Q", len(f)), f,
@@ -272,6 +272,29 @@ class StepJournal:
             return None
         payload = blob[MAC_BYTES:]
         return payload if hmac.compare_digest(blob[:MAC_BYTES], self._mac(key, field, payload)) else None
+
+
+class _Writes:
+    """The journal's queued writes, in order (a list and an event: cheaper per completion than an
+    ``asyncio.Queue``, whose item-by-item bookkeeping the writer, which takes all at once, never used)."""
+
+    def __init__(self) -> None:
+        self._items: list = []
+        self._ready = asyncio.Event()
+
+    def put_nowait(self, item: object) -> None:
+        self._items.append(item)
+        self._ready.set()
+
+    async def wait(self) -> None:
+        """Return once at least one write is queued."""
+        await self._ready.wait()
+
+    def take(self) -> list:
+        """Every write queued so far, in order; the queue is empty after."""
+        items, self._items = self._items, []
+        self._ready.clear()
+        return items
 
 
 def _queue_writes(pipe, writes: list[tuple], ttl: int) -> None:

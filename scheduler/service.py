@@ -91,7 +91,7 @@ class SchedulerService:
         self.journal = journal  # StepJournal or None: what a restarted scheduler needs
         self.orphan_grace_seconds = orphan_grace_seconds
         self.links: dict[str, WorkerLink] = {}
-        self.subscribers: dict[str, list[asyncio.Queue]] = {}
+        self.subscribers: dict[str, list[_Inbox]] = {}
         self.barriers: list[tuple[int, asyncio.Future]] = []
         self.listeners: list[Callable[[Action], None]] = []  # metrics exporter, persistence
         self.draining = False
@@ -105,6 +105,13 @@ class SchedulerService:
         for action in actions:
             for listener in self.listeners:
                 listener(action)
+            kind = type(action)
+            if kind is Assign:  # most actions are assignments and deliveries: no pattern matching for those
+                self._send(action.worker_id, action)
+                continue
+            if kind is Deliver:
+                self._deliver(action.step_id, action.completion)
+                continue
             match action:
                 case Assign() | Abort() | LoadPolicy() | StartDraft() | StopDraft():
                     self._send(action.worker_id, action)
@@ -115,10 +122,7 @@ class SchedulerService:
                         link.close()
                         self.control.lost(worker_id, f"disconnected before answering: {reason}")
                 case Deliver(step_id, completion):
-                    if self.journal is not None:
-                        key = request_key(step_id, completion.prompt_id, completion.sample_index)
-                        self.journal.save_completion(key, completion)
-                    self._publish(step_id, completion)
+                    self._deliver(step_id, completion)
                 case StepFinished(step_id, summary):
                     self._publish(step_id, summary)
                     self._publish(step_id, END)
@@ -145,6 +149,12 @@ class SchedulerService:
                 case Ignored(worker_id, field_, reason):  # stale (moved, cancelled: info) or wrong (warning)
                     level = logging.INFO if field_.endswith(".request_key") else logging.WARNING
                     logger.log(level, "worker %s: ignored: %s: %s", worker_id, field_, reason)
+
+    def _deliver(self, step_id: str, completion: Completion) -> None:
+        if self.journal is not None:
+            key = request_key(step_id, completion.prompt_id, completion.sample_index)
+            self.journal.save_completion(key, completion)
+        self._publish(step_id, completion)
 
     def _end_barrier(self, version: int, outcome: int | InvalidRequest) -> None:
         """Answer every ``UpdatePolicy`` call waiting for ``version``: a worker count or an error."""
@@ -179,7 +189,7 @@ class SchedulerService:
         existing = self.core.check_step(spec)
         done = await self._journaled(spec) if existing is None else {}
         existing = self.core.check_step(spec)  # another call may have submitted it meanwhile
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = _Inbox()
         for c in done.values():  # delivered by an earlier scheduler: replay
             queue.put_nowait(c)
         if existing is not None:  # resume: replay what is done, then follow
@@ -345,28 +355,45 @@ class SchedulerService:
             link.close()
 
 
-async def _items(queue: asyncio.Queue) -> AsyncIterator[list[Completion] | StepSummary]:
+class _Inbox:
+    """A step subscriber's queue: what the service publishes for the step, in order (a list and
+    an event: cheaper per completion than an ``asyncio.Queue``; its reader takes all at once)."""
+
+    def __init__(self) -> None:
+        self._items: list = []
+        self._ready = asyncio.Event()
+
+    def put_nowait(self, item: object) -> None:
+        self._items.append(item)
+        self._ready.set()
+
+    async def take(self) -> list:
+        """Everything published since the last call (at least one item), in order."""
+        await self._ready.wait()
+        items, self._items = self._items, []
+        self._ready.clear()
+        return items
+
+
+async def _items(queue: _Inbox) -> AsyncIterator[list[Completion] | StepSummary]:
     """A step subscriber's queue up to its end (``END``): the completions waiting at once as
     one list, in order; a summary as it is; a ``StepFailed`` raises."""
-    pending = None
     while True:
-        msg = pending if pending is not None else await queue.get()
-        pending = None
-        if msg is END:
-            return
-        if isinstance(msg, StepFailed):
-            raise _failed(msg)
-        if not isinstance(msg, Completion):
+        group: list[Completion] = []
+        for msg in await queue.take():
+            if isinstance(msg, Completion):
+                group.append(msg)
+                continue
+            if group:  # the completions before it first, in their place
+                yield group
+                group = []
+            if msg is END:
+                return
+            if isinstance(msg, StepFailed):
+                raise _failed(msg)
             yield msg
-            continue
-        group = [msg]
-        while not queue.empty():
-            nxt = queue.get_nowait()
-            if not isinstance(nxt, Completion):
-                pending = nxt  # handled next, in its place
-                break
-            group.append(nxt)
-        yield group
+        if group:
+            yield group
 
 
 def _failed(failure: StepFailed) -> InvalidRequest:

@@ -176,7 +176,7 @@ def scheduler_message(item: Action | pb.SchedulerMessage) -> pb.SchedulerMessage
 def _assignment(req: RequestSpec) -> pb.Assignment:
     return pb.Assignment(
         request_key=req.key, step_id=req.step_id, prompt_id=req.prompt_id,
-        sample_index=req.sample_index, prompt_token_ids=list(req.prompt_token_ids),
+        sample_index=req.sample_index, prompt_token_ids=req.prompt_token_ids,  # the tuple as it is: no list copy
         sampling=_sampling_pb(req.sampling), policy_version=req.policy_version,
         use_drafts=req.use_drafts, group_size=req.group_size)
 

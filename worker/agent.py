@@ -449,21 +449,28 @@ def _batch(first: pb.WorkerMessage, outbox: asyncio.Queue) -> tuple[pb.WorkerMes
     """``first`` (a completion) and the completions queued right behind it as one message,
     and the next item taken from ``outbox`` that did not join it (``_NOTHING`` if none; it may
     be the None that ends the stream)."""
-    group = [first.completion]
+    group = [first]
     size = first.completion.ByteSize()
     while not outbox.empty() and len(group) < BATCH_MAX:
         nxt = outbox.get_nowait()
-        if nxt is None or nxt.WhichOneof("kind") != "completion" or size + nxt.completion.ByteSize() > BATCH_BYTES:
+        if nxt is None or nxt.WhichOneof("kind") != "completion":
             return _batched(group), nxt
-        group.append(nxt.completion)
-        size += nxt.completion.ByteSize()
+        n = nxt.completion.ByteSize()
+        if size + n > BATCH_BYTES:
+            return _batched(group), nxt
+        group.append(nxt)
+        size += n
     return _batched(group), _NOTHING
 
 
-def _batched(group: list[pb.WorkerCompletion]) -> pb.WorkerMessage:
+def _batched(group: list[pb.WorkerMessage]) -> pb.WorkerMessage:
+    """``completion`` messages as one message: one alone as it is, more as a batch (each
+    completion copied once, into the batch)."""
     if len(group) == 1:
-        return pb.WorkerMessage(completion=group[0])
-    return pb.WorkerMessage(completions=pb.WorkerCompletionBatch(completions=group))
+        return group[0]
+    msg = pb.WorkerMessage()
+    msg.completions.completions.extend(m.completion for m in group)
+    return msg
 
 
 async def stop_agents(agents: list[WorkerAgent], tasks: list[asyncio.Task]) -> None:
