@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from dataclasses import dataclass
 
 from bubblespec.bench.sim.costs import CostProfile
 from bubblespec.bench.sim.workload import AcceptanceModel, expected_accepted
+from bubblespec.scheduler.core.drafting import paying_draft_tokens
 
 __all__ = ["Member", "SimulatedEngine"]
 
@@ -93,6 +95,8 @@ class SimulatedEngine:
         self.worker_id = worker_id
         self.profile = profile
         self.acceptance = acceptance
+        self._paying = acceptance.paying  # ``draft_tokens``'s dispatch, resolved once (see ``_rule``)
+        self._caps = _cap_table(acceptance)
         self.members: dict[str, Member] = {}
         self.jobs = False  # True while the batch is made of draft jobs
         self.passes = 0.0
@@ -125,7 +129,8 @@ class SimulatedEngine:
 
     def add(self, now: float, member: Member) -> list[Member]:
         """Add a request or a draft job; a request preempts all draft jobs (returned)."""
-        self.advance(now)
+        if now > self.at:  # advance(now) does nothing otherwise (several calls per event at one ``now``)
+            self.advance(now)
         preempted: list[Member] = []
         if not member.job and self.jobs:
             preempted = [m for key in list(self.members) if (m := self.remove(now, key)) is not None]
@@ -141,7 +146,8 @@ class SimulatedEngine:
 
     def remove(self, now: float, key: str) -> Member | None:
         """Take a member out (abort, stop); its position is frozen at ``now``."""
-        self.advance(now)
+        if now > self.at:  # advance(now) does nothing otherwise (several calls per event at one ``now``)
+            self.advance(now)
         m = self.members.pop(key, None)
         if m is None:
             return None
@@ -159,30 +165,45 @@ class SimulatedEngine:
 
     def due(self, now: float) -> list[Member]:
         """Members whose last token falls at ``now`` (removed); drafts that ran out switch phase."""
-        self.advance(now)
+        if now > self.at:  # advance(now) does nothing otherwise (several calls per event at one ``now``)
+            self.advance(now)
         done: list[Member] = []
         heap, members, pop = self._heap, self.members, heapq.heappop  # locals: the simulator's hottest loop
         first = True
+        passes = self.passes
         while heap:
             target, _, gen, m = heap[0]
             if m.gen != gen or not m.started:
                 pop(heap)
                 continue
-            if not first and target > self.passes + _EPS * (1 + self.passes):
+            if not first and target > passes + _EPS * (1 + passes):
                 break
             first = False  # the scheduled event is due by construction (rounding aside)
             pop(heap)
-            if target > self.passes:
-                self.passes = target
-            if m.k:  # a phase without drafts has nothing to close
+            if target > passes:
+                self.passes = passes = target
+            k = m.k
+            if k:  # a phase without drafts has nothing to close
                 self._close_phase(m)
-            self.draft_tokens -= m.k
+            self.draft_tokens -= k
             self.rate_sum -= m.rate
-            m.pos0, m.p0 = m.position(target), target
-            if m.pos0 >= m.length - _EPS:
-                m.pos0 = float(m.length)
+            pos = m.pos0 + (target - m.p0) * m.rate  # m.position(target), inlined
+            length = m.length
+            m.pos0 = pos = pos if pos < length else float(length)
+            m.p0 = target
+            if pos >= length - _EPS:
+                m.pos0 = float(length)
                 del members[m.key]
                 done.append(m)
+            elif m.job or not m.suffix_alpha > 0:
+                # _start_phase(m, drafts=False) without self-drafts, inlined: one token per pass
+                # to its last token (x / 1.0 is x exactly, so the target is the same)
+                m.suffix_phase, m.k, m.rate = False, 0, 1.0
+                left = length - pos
+                m.target = target = target + (left if left > 0.0 else 0.0)
+                m.gen += 1
+                self.rate_sum += 1.0
+                heapq.heappush(heap, (target, next(self._seq), m.gen, m))
             else:
                 self._start_phase(m, drafts=False)
         if not self.members:
@@ -191,10 +212,12 @@ class SimulatedEngine:
 
     def commit(self, now: float) -> float | None:
         """Settle the round of changes at ``now``; return when the next member is due (or None)."""
-        self.advance(now)
+        if now > self.at:  # advance(now) does nothing otherwise (several calls per event at one ``now``)
+            self.advance(now)
         b = len(self.members)
-        cap = self.acceptance.batch_cap(b)
-        moved = self.acceptance.paying and b and not self.plan_b // 2 <= b <= 2 * self.plan_b
+        caps = self._caps
+        cap = caps[b] if b < len(caps) else self.acceptance.batch_cap(b)
+        moved = self._paying and b and not self.plan_b // 2 <= b <= 2 * self.plan_b
         if cap != self.cap or moved:  # re-planned when the cap changes or the batch doubles or halves
             self.cap, self.plan_b = cap, b
             self.threshold = self._threshold()
@@ -217,7 +240,8 @@ class SimulatedEngine:
     # ------------------------------------------------------------- views --
 
     def tokens(self, key: str, now: float) -> int:
-        self.advance(now)
+        if now > self.at:  # advance(now) does nothing otherwise (several calls per event at one ``now``)
+            self.advance(now)
         m = self.members.get(key)
         return 0 if m is None else int(m.position(self.passes))
 
@@ -242,15 +266,24 @@ class SimulatedEngine:
             # only ``commit`` (and its ``_rerate``) start phases with drafts, after setting
             # ``self.cap`` to the cap of the batch as it is: batch_cap(len(self.members));
             # ``planned``: the k ``_rerate`` just took from the rule for this very phase
-            k = self.acceptance.draft_tokens(alpha, self.cap, self.threshold) if planned is None else planned
+            k = self._rule(alpha, self.cap, self.threshold) if planned is None else planned
         elif m.suffix_alpha > 0:
             alpha, m.suffix_phase = m.suffix_alpha, True
-            k = self.acceptance.draft_tokens(alpha, self.acceptance.batch_cap(len(self.members)), self.threshold)
+            k = self._rule(alpha, self.acceptance.batch_cap(len(self.members)), self.threshold)
         m.k = k
         if k > m.max_k:
             m.max_k = k
-        m.rate = rate = 1.0 + expected_accepted(alpha, k) if k else 1.0
-        boundary = m.length if m.suffix_phase or not k else min(m.draft_len, m.length)
+        if not k:
+            rate = 1.0
+        elif k > 0 and 0.0 < alpha < 1.0:  # expected_accepted(alpha, k), inlined: the same operations
+            rate = 1.0 + alpha * (1 - alpha**k) / (1 - alpha)
+        else:
+            rate = 1.0 + expected_accepted(alpha, k)
+        m.rate = rate
+        if m.suffix_phase or not k:
+            boundary = m.length
+        else:  # min(m.draft_len, m.length): the first of two equal ones, as min returns
+            boundary = m.length if m.length < m.draft_len else m.draft_len
         left = boundary - m.pos0
         m.target = target = m.p0 + (left if left > 0.0 else 0.0) / rate  # max(0.0, left), inlined: a hot path
         m.gen += 1
@@ -262,7 +295,15 @@ class SimulatedEngine:
         """The batch size crossed a draft-cap threshold: re-plan members whose k changes."""
         if self.jobs:
             return  # a batch of draft jobs (they never draft): nothing to re-plan
-        draft_tokens, threshold, passes = self.acceptance.draft_tokens, self.threshold, self.passes  # fixed here
+        threshold, passes = self.threshold, self.passes  # fixed here
+        rule = self._rule
+        # The paying rule, ``paying_draft_tokens(alpha, cap, threshold, 1.0)``, for the usual case
+        # (0 < threshold < 1, cap > 0, 0 < alpha < 1) with log(threshold) taken once per re-plan
+        # instead of once per member: the same operations on the same values, so the same k
+        # (tests/unit/test_sim_engine_speed.py compares it with the rule); any other case calls it.
+        fast = self._paying and 0.0 < threshold < 1.0 and cap > 0
+        log_t = math.log(threshold) if fast else 0.0
+        log, floor = math.log, math.floor
         for m in self.members.values():
             if m.job or not m.started:
                 continue
@@ -271,7 +312,18 @@ class SimulatedEngine:
             pos = m.pos0 + (passes - m.p0) * m.rate  # m.position(passes), inlined: once per member per re-plan
             pos = pos if pos < m.length else float(m.length)
             drafted = pos < m.draft_len
-            want = draft_tokens(m.alpha if drafted else m.suffix_alpha, cap, threshold) if drafted or m.suffix_phase else 0
+            if drafted or m.suffix_phase:
+                alpha = m.alpha if drafted else m.suffix_alpha
+                if fast and 0.0 < alpha < 1.0:
+                    if alpha <= threshold:
+                        want = 0
+                    else:
+                        want = floor(log_t / log(alpha) - 1e-9)
+                        want = 0 if want < 0 else cap if want > cap else want  # max(0, min(cap, want))
+                else:
+                    want = rule(alpha, cap, threshold)
+            else:
+                want = 0
             if want != m.k:
                 self._close_phase(m)
                 self.draft_tokens -= m.k
@@ -279,6 +331,18 @@ class SimulatedEngine:
                 m.pos0, m.p0 = pos, passes
                 # with its draft ahead, _start_phase would ask the rule the same question again
                 self._start_phase(m, drafts=True, planned=want if drafted else None)
+        heap = self._heap
+        if len(heap) > 2 * len(self.members) + 32:
+            # mostly stale entries (each re-planned member left one): keep the live ones. Entries
+            # are ordered by (target, seq), seq unique, so the live ones pop in the same order
+            self._heap = [e for e in heap if e[3].gen == e[2]]
+            heapq.heapify(self._heap)
+
+    def _rule(self, alpha: float, cap: int, threshold: float) -> int:
+        """``AcceptanceModel.draft_tokens(alpha, cap, threshold)``, its ``paying`` dispatch resolved once."""
+        if self._paying:
+            return paying_draft_tokens(alpha, cap, threshold, 1.0)
+        return self.acceptance.draft_tokens(alpha, cap, threshold)
 
     def _threshold(self) -> float:
         """The paying rule's bar for the batch as it is: a draft token's cost times the batch's
@@ -310,3 +374,15 @@ class SimulatedEngine:
         else:
             m.drafted += passes * m.k
             m.accepted += gained
+
+
+_CAP_TABLES: dict[AcceptanceModel, list[int]] = {}
+
+
+def _cap_table(acceptance: AcceptanceModel) -> list[int]:
+    """``acceptance.batch_cap(b)`` for b = 0..1024, computed by it once per model (``commit``
+    asks for every batch change; larger batches call it)."""
+    table = _CAP_TABLES.get(acceptance)
+    if table is None:
+        table = _CAP_TABLES[acceptance] = [acceptance.batch_cap(b) for b in range(1025)]
+    return table

@@ -24,6 +24,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 from dataclasses import dataclass, field, replace
 
 from bubblespec.client.types import (
@@ -86,6 +87,20 @@ class _Tokens(Sequence[int]):
 
     def __iter__(self) -> Iterator[int]:
         return iter(())
+
+
+_new = object.__new__
+
+
+def _frozen(cls: type, fields: dict[str, object]) -> Any:
+    """``cls(**fields)`` for a frozen dataclass given every one of its fields, in their order,
+    without its ``__init__``, which sets each field through ``object.__setattr__`` (a
+    ``Completion`` and its provenance cost ~3 us that way, once per simulated request). The
+    same object: equal to the constructor's, with the same ``__dict__``
+    (tests/unit/test_sim_engine_speed.py)."""
+    obj = _new(cls)
+    obj.__dict__.update(fields)
+    return obj
 
 
 class SimStalled(RuntimeError):
@@ -236,18 +251,23 @@ def simulate(
     with _cyclic_gc_paused():  # for the whole run: re-enabled between steps, it would walk each step's objects
         sim = _Simulation(policy, workers, requests_per_step // settings.samples, profile, drafting, seed,
                           workload, acceptance, settings)
-        setup = time.perf_counter() - started
-        stats = []
-        for s in range(steps):
-            if s and settings.train_seconds > 0:
-                sim.train(settings.train_seconds)
-            if s and settings.policy_updates:
-                sim.update_policy()
-            stats.append(sim.run_step(s))
-            if on_step is not None:
-                on_step(stats[-1])
+        try:
+            setup = time.perf_counter() - started
+            stats = []
+            for s in range(steps):
+                if s and settings.train_seconds > 0:
+                    sim.train(settings.train_seconds)
+                if s and settings.policy_updates:
+                    sim.update_policy()
+                stats.append(sim.run_step(s))
+                if on_step is not None:
+                    on_step(stats[-1])
+            events = sim.events_done
+        finally:
+            sim.close()
+            del sim  # the run's objects are freed here, by reference counting (``_Simulation.close``)
     return SimResult(policy, drafting, workers, requests_per_step, profile.name, seed, tuple(stats), setup,
-                     time.perf_counter() - started, sim.events_done)
+                     time.perf_counter() - started, events)
 
 
 @contextlib.contextmanager
@@ -291,8 +311,10 @@ class _Simulation:
                                   rng=random.Random(seed))  # draft seeds: deterministic per run
         self.limits = ModelLimits(max_model_len=workload.lengths.max_tokens + 1024, vocab_size=32000)
         self.engines: dict[str, SimulatedEngine] = {}
-        self.heap: list[tuple[float, int, int, str, int]] = []  # (time, seq, kind, worker, version)
-        self.spent: tuple[float, int, int, str, int] | None = None  # the engine event being handled, left on the heap
+        # (time, seq, kind, worker, version); an engine's event names the engine itself (no lookup
+        # by worker id to tell a stale one), a weight load the worker id
+        self.heap: list[tuple[float, int, int, SimulatedEngine | str, int]] = []
+        self.spent: tuple[float, int, int, SimulatedEngine | str, int] | None = None  # the event being handled, left on top
         self.seq = itertools.count()
         self.dirty: dict[str, None] = {}
         self.future: dict[tuple[int, ...], int] = {}  # prompt -> longest future draft
@@ -300,6 +322,7 @@ class _Simulation:
         self.draft_jobs: dict[tuple[int, ...], int] = {}  # prompt -> draft jobs started
         self.wheel: dict[int, list[tuple[str, Member]]] = {}  # tick number -> progress reports due
         self.tick_no = 0
+        self.progress_ticks = max(1, math.ceil(settings.progress_seconds / settings.tick_seconds))  # between reports
         self.next_heartbeat = 0.0
         self.events_done = 0
         self.loads_pending = 0
@@ -307,6 +330,7 @@ class _Simulation:
         self.batches: dict[int, list[SimPrompt]] = {}
         self.current: dict[str, SimPrompt] = {}
         self.upcoming: dict[tuple[int, ...], SimPrompt] = {}
+        self.draft_lengths: dict[tuple[int, ...], list[int | None]] = {}  # upcoming prompt -> its draft lengths
         self.log: _StepLog | None = None
         for i in range(workers):
             wid = f"w{i:05d}"
@@ -314,6 +338,15 @@ class _Simulation:
             hello = WorkerHello(wid, settings.capacity, self.core.version, self.limits, speculation=drafting)
             self._execute(self.core.add_worker(hello))
         self._commit()
+
+    def close(self) -> None:
+        """Let reference counting free the run. The core and its collaborators refer to each
+        other (and the core's clock to this simulation), so without this the run's millions of
+        objects (requests, completions, engine members: 9 M after a drafting run at 4,096
+        workers) stay alive as cyclic garbage until a full collection of the cyclic garbage
+        collector walks every live object: ~9 s, paid inside whichever run or step it happened to
+        fall in. Clearing the core's attributes breaks its cycles; neither is usable afterwards."""
+        vars(self.core).clear()
 
     # -------------------------------------------------------------- steps --
 
@@ -328,6 +361,7 @@ class _Simulation:
         prompts, ahead = self._batch(s), self._batch(s + 1)
         self.current = {p.prompt_id: p for p in prompts}
         self.upcoming = {p.token_ids: p for p in ahead}
+        self.draft_lengths = {}
         watch = self.settings.straggler_watch
         spec = build_step(
             step_id=f"s{s}", policy_version=self.core.version,
@@ -365,9 +399,9 @@ class _Simulation:
         """Process events in time order until ``done()`` or simulated time reaches ``until``."""
         tick = self.settings.tick_seconds
         idle_since = None
-        heap, engines = self.heap, self.engines  # the list and dict themselves: never rebound
+        heap = self.heap  # the list itself: never rebound
         while not done():
-            while heap and heap[0][2] == _ENGINE and heap[0][4] != engines[heap[0][3]].version:
+            while heap and heap[0][2] == _ENGINE and heap[0][4] != heap[0][3].version:  # type: ignore[union-attr]
                 heapq.heappop(heap)  # stale: the engine's batch changed since
             if heap:
                 idle_since = None
@@ -384,16 +418,16 @@ class _Simulation:
                 self._tick()
                 self._check_stall(idle_since)
             else:
-                _, _, kind, wid, version = top = heap[0]
+                _, _, kind, who, version = top = heap[0]
                 self.now = t_next
                 self.events_done += 1
                 if kind == _ENGINE:
                     self.spent = top  # left on top: stale once _commit moves the engine on, which replaces it
-                    self._on_engine(wid)
+                    self._on_engine(who)  # type: ignore[arg-type]
                 else:
                     heapq.heappop(heap)
                     self.loads_pending -= 1
-                    self._execute(self.core.on_policy_loaded(wid, version, True))
+                    self._execute(self.core.on_policy_loaded(who, version, True))  # type: ignore[arg-type]
             self._commit()
             self.spent = None
 
@@ -421,7 +455,7 @@ class _Simulation:
         self._execute(core.tick())
 
     def _schedule_progress(self, wid: str, m: Member) -> None:
-        due = self.tick_no + max(1, math.ceil(self.settings.progress_seconds / self.settings.tick_seconds))
+        due = self.tick_no + self.progress_ticks
         self.wheel.setdefault(due, []).append((wid, m))
 
     def _commit(self) -> None:
@@ -429,35 +463,37 @@ class _Simulation:
             results, self.outbox = self.outbox, []
             for wid, job_id, tokens in results:
                 self._execute(self.core.on_draft_result(wid, job_id, tokens, finished=False))
+        now, heap, engines = self.now, self.heap, self.engines
         for wid in self.dirty:
-            eng = self.engines[wid]
-            t = eng.commit(self.now)
+            eng = engines[wid]
+            t = eng.commit(now)
             if t is not None:
-                entry = (t, next(self.seq), _ENGINE, wid, eng.version)
-                if self.spent is not None and self.heap[0] is self.spent:
+                entry = (t, next(self.seq), _ENGINE, eng, eng.version)
+                if self.spent is not None and heap[0] is self.spent:
                     # the event just handled is still on top, and stale (its engine was committed):
                     # replace it, one sift of the heap (of every busy worker) instead of two
-                    heapq.heapreplace(self.heap, entry)
+                    heapq.heapreplace(heap, entry)
                     self.spent = None
                 else:
-                    heapq.heappush(self.heap, entry)
+                    heapq.heappush(heap, entry)
         self.dirty.clear()
 
-    def _on_engine(self, wid: str) -> None:
-        eng = self.engines[wid]
+    def _on_engine(self, eng: SimulatedEngine) -> None:
+        wid = eng.worker_id
         self.dirty[wid] = None
+        core, execute = self.core, self._execute
         for m in eng.due(self.now):
             if m.job:
                 prompt = m.payload.prompt_token_ids  # type: ignore[attr-defined]
                 self.future[prompt] = max(self.future.get(prompt, 0), m.length)
-                self._execute(self.core.on_draft_result(wid, m.key, m.length))
+                execute(core.on_draft_result(wid, m.key, m.length))
             else:
                 req = m.payload
                 if self.settings.history_drafts:
                     self.history[req.prompt_token_ids] = max(self.history.get(req.prompt_token_ids, 0), m.length)  # type: ignore[attr-defined]
                 if self.log is not None and self.log.tail.size:
                     self._attribute(wid, m, eng)
-                self._execute(self.core.on_completion(wid, m.key, self._completion(wid, m, eng.passes)))
+                execute(core.on_completion(wid, m.key, self._completion(wid, m, eng.passes)))
 
     def _attribute(self, wid: str, m: Member, eng: SimulatedEngine) -> None:
         """Record a finished request for makespan attribution (``SimSettings.tail_requests``)."""
@@ -473,19 +509,25 @@ class _Simulation:
         accepted = 0
         if m.drafted > 0:
             accepted = round(m.accepted)
-            sources = (SourceStats(m.source, round(m.drafted), accepted),)
+            sources = (_frozen(SourceStats, {"source": m.source, "drafted_tokens": round(m.drafted),
+                                             "accepted_tokens": accepted}),)
         if m.suffix_drafted > 0:
             suffix = round(m.suffix_accepted)
             accepted += suffix
-            sources += (SourceStats("suffix", round(m.suffix_drafted), suffix),)
+            sources += (_frozen(SourceStats, {"source": "suffix", "drafted_tokens": round(m.suffix_drafted),
+                                              "accepted_tokens": suffix}),)
         # every pass makes one token plus its accepted drafts: passes = length - accepted, exactly
         # (the fluid pass count equals it up to rounding, which must not leak into the identity)
         finish = FinishReason.LENGTH if m.length >= req.sampling.max_tokens else FinishReason.STOP  # type: ignore[attr-defined]
         # Simulated tokens: a length without token ids (the core only measures it), so 262,144
         # completions neither hold nor get scanned token by token (the vocabulary check).
-        return Completion(req.step_id, req.prompt_id, req.sample_index, _Tokens(m.length), (), "",  # type: ignore[arg-type,attr-defined]
-                          finish, req.policy_version, wid, self.workload.prompt_tokens,  # type: ignore[attr-defined]
-                          Provenance(max(1, m.length - accepted) if sources else m.forward_passes(passes), sources))
+        provenance = _frozen(Provenance, {"forward_passes": max(1, m.length - accepted) if sources else m.forward_passes(passes),
+                                          "sources": sources})
+        return _frozen(Completion, {
+            "step_id": req.step_id, "prompt_id": req.prompt_id, "sample_index": req.sample_index,  # type: ignore[attr-defined]
+            "token_ids": _Tokens(m.length), "logprobs": (), "text": "", "finish_reason": finish,
+            "policy_version": req.policy_version, "worker_id": wid,  # type: ignore[attr-defined]
+            "prompt_tokens": self.workload.prompt_tokens, "provenance": provenance})
 
     # ------------------------------------------------------------ actions --
 
@@ -554,7 +596,16 @@ class _Simulation:
         j = self.draft_jobs.get(ids, 0)
         self.draft_jobs[ids] = j + 1
         lm = self.workload.lengths
-        length = lm.length(p.scale, p.draft_z[j % len(p.draft_z)]) if p else lm.length(lm.median_tokens, 0.0)
+        if p is not None:  # the j-th draft of the prompt has length number j mod len(draft_z), each computed once
+            lengths = self.draft_lengths.get(ids)
+            if lengths is None:
+                lengths = self.draft_lengths[ids] = [None] * len(p.draft_z)
+            i = j % len(lengths)
+            length = lengths[i]
+            if length is None:
+                length = lengths[i] = lm.length(p.scale, p.draft_z[i])
+        else:
+            length = lm.length(lm.median_tokens, 0.0)
         m = Member(a.job.job_id, length, job=True, prompt_tokens=self.workload.prompt_tokens, payload=a.job)
         self.engines[a.worker_id].add(self.now, m)
         self.dirty[a.worker_id] = None

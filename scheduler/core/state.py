@@ -576,15 +576,18 @@ class SchedulerCore(CoreView):
         """Move queued work off a worker that is slow (throughput under ``straggler_ratio`` of
         the median) or that still holds queued work while a worker of the step's version idles;
         move running requests that made no progress for ``stall_seconds``."""
-        rates = [w.busy_tokens_per_second for w in self.workers.values() if w.busy_tokens_per_second > 0]
-        median = statistics.median(rates) if rates else 0.0
-        someone_idle = any(not w.running and not w.private and w.loading is None and w.load_failed is None
-                           and w.version == step.spec.policy_version for w in self.workers.values())
         moved: list[str] = []
         actions: list[Action] = []
+        bar: tuple[float, bool] | None = None  # (median rate, someone idle), once a worker holds queued work
         for w in self.workers.values():
             if not w.private:
                 continue  # nothing queued to move (most workers: this runs every tick over all of them)
+            if bar is None:  # before any queue below changes: the values a scan up front would give
+                rates = [o.busy_tokens_per_second for o in self.workers.values() if o.busy_tokens_per_second > 0]
+                bar = (statistics.median(rates) if rates else 0.0,
+                       any(not o.running and not o.private and o.loading is None and o.load_failed is None
+                           and o.version == step.spec.policy_version for o in self.workers.values()))
+            median, someone_idle = bar
             slow = (median > 0 and w.running and now - step.started_at > self.settings.straggler_grace_seconds
                     and w.tokens_per_second < self.settings.straggler_ratio * median)
             if slow or someone_idle:
@@ -626,12 +629,14 @@ class SchedulerCore(CoreView):
 
     def _fill(self, w: WorkerState, limit: int | None = None) -> list[Action]:
         """Give ``w`` up to ``limit`` more requests (default: up to its capacity)."""
-        if w.loading is not None or w.load_failed is not None or w.hello.worker_id not in self.workers:
+        wid = w.hello.worker_id
+        if w.loading is not None or w.load_failed is not None or wid not in self.workers:
             return []
         now = self.clock()
         actions: list[Action] = []
-        budget = w.capacity if limit is None else limit
-        while len(w.running) < w.capacity and budget > 0:
+        running, capacity = w.running, w.hello.capacity  # read once: this runs once per completion
+        budget = capacity if limit is None else limit
+        while len(running) < capacity and budget > 0:
             budget -= 1
             key = self._next_for(w)
             if key is None:
@@ -640,11 +645,11 @@ class SchedulerCore(CoreView):
                 actions += self._stop_drafts(w)
             step = self.steps[_step_of(key)]
             req = step.requests[key]
-            req.worker, req.started_at, req.progress, req.progress_at = w.hello.worker_id, now, 0, now
-            w.running.add(key)
-            self.balancer.stalls.started(step.spec.step_id, key, w.hello.worker_id, now, self.settings.stall_seconds)
-            actions.append(Assign(w.hello.worker_id, req.spec))
-        if not w.running:
+            req.worker, req.started_at, req.progress, req.progress_at = wid, now, 0, now
+            running.add(key)
+            self.balancer.stalls.started(step.spec.step_id, key, wid, now, self.settings.stall_seconds)
+            actions.append(Assign(wid, req.spec))
+        if not running:
             actions += self._plan_drafts(w)
         self.timing.set_state(w, now)
         return actions
