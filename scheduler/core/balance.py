@@ -10,49 +10,23 @@ response/prompt ratio, else its length alone) spreads the long ones over the wor
 and a worker that holds a long response takes fewer others. The shared queue's order is kept
 (``longest-first`` orders it); only the choice of worker changes. Private queues (``static``)
 are filled as before: their split was made up front.
-
-Workers are not equally fast: a device shared with other processes, a throttled or older GPU,
-a heavier batch. Each worker's *pace* (seconds per forward pass of its recent completions,
-``records.Pace``) relative to the median pace scales the predicted tokens it holds into
-predicted time, so a worker twice as slow counts its work twice: it takes less, and the step's
-longest group goes to the fastest worker (ties in load are broken by pace). Paces within
-``PACE_DEAD_BAND`` of the median count as equal, so that evenly matched workers are split as
-by tokens alone, and a factor is held within ``PACE_FACTOR_RANGE``.
 """
 
 from __future__ import annotations
 
 import heapq
-import statistics
 from collections import deque
 from typing import TYPE_CHECKING
 
 from bubblespec.scheduler.core.types import Action, Assign
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable
 
     from bubblespec.scheduler.core.records import CoreParts as SchedulerCore
     from bubblespec.scheduler.core.records import RequestState, WorkerState
 
-__all__ = ["Balancer", "StallWatch", "pace_factors"]
-
-PACE_DEAD_BAND = 0.15
-"""A worker's pace within this fraction of the median pace counts as the median's."""
-PACE_FACTOR_RANGE = (0.5, 2.0)
-"""Bounds of the factor a pace scales a worker's predicted tokens by."""
-
-
-def pace_factors(workers: Iterable[WorkerState]) -> dict[str, float]:
-    """Worker id -> its pace over the median pace of the workers with one, for those outside
-    the dead band (the rest, and workers without a pace yet, count 1.0)."""
-    paces = {w.hello.worker_id: p for w in workers if (p := w.pace.seconds_per_pass) > 0}
-    if len(paces) < 2:
-        return {}
-    median = statistics.median(paces.values())
-    low, high = PACE_FACTOR_RANGE
-    factors = {wid: min(high, max(low, p / median)) for wid, p in paces.items()}
-    return {wid: f for wid, f in factors.items() if abs(f - 1.0) > PACE_DEAD_BAND}
+__all__ = ["Balancer", "StallWatch"]
 
 
 class Balancer:
@@ -82,21 +56,17 @@ class Balancer:
 
     def fill(self, group: int) -> list[Action]:
         """Hand out queued work one sample group (``group`` requests) at a time, each to the
-        worker with room and the fewest outstanding predicted tokens times its pace factor
-        (ties: fewest running for its capacity, then the faster, then the order workers
-        joined in)."""
+        worker with room and the fewest outstanding predicted tokens (ties: fewest running
+        for its capacity, then the order workers joined in)."""
         core = self.core
         expected = self._memo_expected()
         self._longest_first_where_all_start_now(expected)
-        pace = pace_factors(core.workers.values())
-        heap = []
-        for i, joined in enumerate(core.workers.values()):
-            f = pace.get(joined.hello.worker_id, 1.0)
-            heap.append((self.outstanding(joined) * f, len(joined.running) / joined.capacity, f, i, joined.hello.worker_id))
+        heap = [(self.outstanding(w), len(w.running) / w.capacity, i, w.hello.worker_id)
+                for i, w in enumerate(core.workers.values())]
         heapq.heapify(heap)
         actions: list[Action] = []
         while heap:
-            load, _, f, i, wid = heapq.heappop(heap)
+            load, _, i, wid = heapq.heappop(heap)
             w = core.workers.get(wid)
             if w is None:
                 continue
@@ -106,8 +76,8 @@ class Balancer:
             if not assigned:
                 continue  # nothing it may take, or full: out of this round of filling
             for a in assigned:
-                load += expected(core.steps[a.request.step_id].requests[a.request.key]) * f
-            heapq.heappush(heap, (load, len(w.running) / w.capacity, f, i, wid))
+                load += expected(core.steps[a.request.step_id].requests[a.request.key])
+            heapq.heappush(heap, (load, len(w.running) / w.capacity, i, wid))
         return actions
 
     def _longest_first_where_all_start_now(self, expected: Callable[[RequestState], float]) -> None:

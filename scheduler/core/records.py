@@ -19,36 +19,7 @@ from bubblespec.scheduler.core.types import (
     WorkerStatus,
 )
 
-__all__ = ["CoreParts", "Pace", "RequestState", "StepState", "WorkerState"]
-
-PACE_DECAY = 0.995
-"""Weight each earlier completion keeps when a worker's next one is recorded: the pace
-follows the last few dozen completions (about a step of a worker's requests)."""
-PACE_MIN_PASSES = 32.0
-"""Decayed forward passes a pace needs before it counts: a handful of short responses, whose
-time is mostly their prompt's prefill and the wait for a pass, say little of a worker's speed."""
-
-
-@dataclass
-class Pace:
-    """How fast a worker's requests advance: the seconds from assignment to completion of its
-    recent completions over their forward passes, both decayed per completion. For a request in
-    a batch that is the time of one pass of its engine (over passes, not tokens, so that a
-    prompt's good drafts do not pass for a fast worker): a worker on a shared or throttled
-    device, or with a heavier batch, shows a larger pace, and the balancer gives it less work
-    (``core/balance.py``)."""
-
-    seconds: float = 0.0
-    passes: float = 0.0
-
-    def record(self, seconds: float, passes: int) -> None:
-        self.seconds = self.seconds * PACE_DECAY + max(0.0, seconds)
-        self.passes = self.passes * PACE_DECAY + passes
-
-    @property
-    def seconds_per_pass(self) -> float:
-        """The pace; 0.0 until ``PACE_MIN_PASSES`` decayed passes are in."""
-        return self.seconds / self.passes if self.passes >= PACE_MIN_PASSES else 0.0
+__all__ = ["CoreParts", "RequestState", "StepState", "WorkerState"]
 
 
 @dataclass
@@ -67,7 +38,6 @@ class WorkerState:
     stopping: dict[str, tuple[int, ...]] = field(default_factory=dict)  # stopped, result pending
     tokens_per_second: float = 0.0
     busy_tokens_per_second: float = 0.0  # last rate reported while it had work (idle rates say nothing)
-    pace: Pace = field(default_factory=Pace)
     state: WorkerStatus = WorkerStatus.IDLE
     state_since: float = 0.0
     timeline: Timeline = field(default_factory=Timeline)

@@ -426,8 +426,7 @@ class SchedulerCore(CoreView):
                     *self.on_aborted(worker_id, key, wrong)]
         step = self.steps[req.spec.step_id]
         w = self.workers[worker_id]
-        w.last_seen = now = self.clock()
-        w.pace.record(now - req.started_at, completion.provenance.forward_passes or len(completion.token_ids))
+        w.last_seen = self.clock()
         w.running.discard(key)
         req.done = True
         step.completions[key] = completion

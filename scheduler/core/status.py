@@ -41,7 +41,6 @@ def _worker_fields(w: WorkerState) -> dict:
         "capacity": w.capacity,
         "speculation": w.hello.speculation,
         "tokens_per_second": round(w.tokens_per_second, 2),
-        "seconds_per_pass": round(w.pace.seconds_per_pass, 6),  # its pace (core/balance.py); 0: not measured yet
         "seconds": {"busy": w.timeline.busy, "idle": w.timeline.idle, "drafting": w.timeline.drafting},
     }
 
