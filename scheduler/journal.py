@@ -42,6 +42,7 @@ from google.protobuf.message import DecodeError
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.client import _convert as cv
 from bubblespec.client.types import Completion
+from bubblespec.scheduler.pending import Pending
 from bubblespec.scheduler.wire import completion_pb
 from bubblespec.store import StoreSettings
 
@@ -77,7 +78,7 @@ class StepJournal:
         self._secret = secret
         self._keyed = None  # the keyed HMAC state, computed once (_mac)
         self.batch_seconds = batch_seconds
-        self._writes = _Writes()
+        self._writes = Pending()
         self._flushing = asyncio.Event()  # a flush waits: write what is queued now
         self._task: asyncio.Task | None = None
 
@@ -272,29 +273,6 @@ class StepJournal:
             return None
         payload = blob[MAC_BYTES:]
         return payload if hmac.compare_digest(blob[:MAC_BYTES], self._mac(key, field, payload)) else None
-
-
-class _Writes:
-    """The journal's queued writes, in order (a list and an event: cheaper per completion than an
-    ``asyncio.Queue``, whose item-by-item bookkeeping the writer, which takes all at once, never used)."""
-
-    def __init__(self) -> None:
-        self._items: list = []
-        self._ready = asyncio.Event()
-
-    def put_nowait(self, item: object) -> None:
-        self._items.append(item)
-        self._ready.set()
-
-    async def wait(self) -> None:
-        """Return once at least one write is queued."""
-        await self._ready.wait()
-
-    def take(self) -> list:
-        """Every write queued so far, in order; the queue is empty after."""
-        items, self._items = self._items, []
-        self._ready.clear()
-        return items
 
 
 def _queue_writes(pipe, writes: list[tuple], ttl: int) -> None:

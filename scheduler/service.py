@@ -43,6 +43,7 @@ from bubblespec.scheduler.core.types import (
     WorkerHello,
     request_key,
 )
+from bubblespec.scheduler.pending import Pending
 
 __all__ = ["END", "SchedulerService", "WorkerLink"]
 
@@ -91,7 +92,7 @@ class SchedulerService:
         self.journal = journal  # StepJournal or None: what a restarted scheduler needs
         self.orphan_grace_seconds = orphan_grace_seconds
         self.links: dict[str, WorkerLink] = {}
-        self.subscribers: dict[str, list[_Inbox]] = {}
+        self.subscribers: dict[str, list[Pending]] = {}
         self.barriers: list[tuple[int, asyncio.Future]] = []
         self.listeners: list[Callable[[Action], None]] = []  # metrics exporter, persistence
         self.draining = False
@@ -189,7 +190,7 @@ class SchedulerService:
         existing = self.core.check_step(spec)
         done = await self._journaled(spec) if existing is None else {}
         existing = self.core.check_step(spec)  # another call may have submitted it meanwhile
-        queue = _Inbox()
+        queue = Pending()
         for c in done.values():  # delivered by an earlier scheduler: replay
             queue.put_nowait(c)
         if existing is not None:  # resume: replay what is done, then follow
@@ -355,32 +356,13 @@ class SchedulerService:
             link.close()
 
 
-class _Inbox:
-    """A step subscriber's queue: what the service publishes for the step, in order (a list and
-    an event: cheaper per completion than an ``asyncio.Queue``; its reader takes all at once)."""
-
-    def __init__(self) -> None:
-        self._items: list = []
-        self._ready = asyncio.Event()
-
-    def put_nowait(self, item: object) -> None:
-        self._items.append(item)
-        self._ready.set()
-
-    async def take(self) -> list:
-        """Everything published since the last call (at least one item), in order."""
-        await self._ready.wait()
-        items, self._items = self._items, []
-        self._ready.clear()
-        return items
-
-
-async def _items(queue: _Inbox) -> AsyncIterator[list[Completion] | StepSummary]:
+async def _items(queue: Pending) -> AsyncIterator[list[Completion] | StepSummary]:
     """A step subscriber's queue up to its end (``END``): the completions waiting at once as
     one list, in order; a summary as it is; a ``StepFailed`` raises."""
     while True:
         group: list[Completion] = []
-        for msg in await queue.take():
+        await queue.wait()
+        for msg in queue.take():
             if isinstance(msg, Completion):
                 group.append(msg)
                 continue

@@ -22,7 +22,9 @@ Draft length: ``draft_index.DraftLength``. With the engine setting ``draft_token
 (what one draft token adds to a pass), each step measures the batch's tokens/s
 (``draft_index.StepRate``: tokens the step produced over the wall time since the previous
 step, smoothed) and the paying rule picks each request's length from the two; until a rate is
-measured, and with the setting unset, the acceptance rule decides. The length only changes
+measured, and with the setting unset, the acceptance rule decides. With the setting and
+``draft_for_makespan`` on, the rows a candidate continues get ``tail_drafts``' lengths instead
+(those that end the batch's last request soonest). The length only changes
 what is proposed, never what is accepted (docs/EXACTNESS.md). Each tensor-parallel rank
 measures its own clock, so ranks may pick different lengths; the drafts verified are the
 output rank's on every rank: vLLM takes a proposer's draft lists from the output rank

@@ -22,9 +22,10 @@ slower than not drafting) and returns the ``k_i`` of the cheapest plan. The long
 deep drafts, the short ones none. It is recomputed every engine step, so as the long requests
 advance and the short ones end, the plan follows.
 
-Where more requests will join the batch before the last one ends (a queue deeper than the
-engine), finishing the current batch's last request sooner is still what frees its slots; the
-throughput rule's lengths are kept as a floor there (``proposer.BubbleSpecProposer``).
+The proposer applies it to the rows a candidate continues; the rest (no candidate, so at
+most self-suffix drafts) keep the throughput rule (``proposer.BubbleSpecProposer``). Where
+more requests will join the batch before its last one ends (a queue deeper than the engine),
+the plan still ends the current batch's last request soonest, which is what frees its slot.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.client import _convert as cv
 from bubblespec.client.types import Completion, FinishReason, Provenance, SourceStats
 from bubblespec.scheduler.core.types import InvalidRequest
-from bubblespec.scheduler.journal import _DOMAIN, StepJournal, _Writes
+from bubblespec.scheduler.journal import _DOMAIN, StepJournal
+from bubblespec.scheduler.pending import Pending
 from bubblespec.store import StoreSettings
 
 
@@ -61,7 +62,7 @@ def test_a_journal_mac_is_the_hmac_of_the_length_prefixed_key_field_and_value():
 
 
 async def test_queued_journal_writes_are_taken_all_at_once_in_order():
-    writes = _Writes()
+    writes = Pending()
     waiter = asyncio.ensure_future(writes.wait())
     await asyncio.sleep(0)
     assert not waiter.done()  # nothing queued: the writer waits
@@ -81,13 +82,13 @@ async def test_queued_journal_writes_are_taken_all_at_once_in_order():
 async def test_a_step_subscriber_gets_the_completions_waiting_at_once_as_one_list_in_order():
     from bubblespec.client.types import StepSummary
     from bubblespec.scheduler.core.types import StepFailed
-    from bubblespec.scheduler.service import END, _Inbox, _items
+    from bubblespec.scheduler.service import END, _items
 
     def done(i: int) -> Completion:
         return Completion("s", f"p{i}", 0, (5,), (), "", FinishReason.STOP, 0)
 
     summary = StepSummary("s", 0, 3, 1.0, 3)
-    inbox = _Inbox()
+    inbox = Pending()
     stream = _items(inbox)
     reader = asyncio.ensure_future(anext(stream))
     await asyncio.sleep(0)
@@ -99,7 +100,7 @@ async def test_a_step_subscriber_gets_the_completions_waiting_at_once_as_one_lis
         inbox.put_nowait(item)
     assert [item async for item in stream] == [[done(2)], summary]  # the summary after the completions, then the end
 
-    failing = _Inbox()
+    failing = Pending()
     for item in (done(0), StepFailed("s", "prompts[1]", "failed"), END):
         failing.put_nowait(item)
     stream = _items(failing)
