@@ -55,8 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--accept-history", type=float, default=AcceptanceModel.history,
                    help="per-token acceptance of history drafts (an earlier sample of the prompt)")
     p.add_argument("--accept-suffix", type=float, default=0.0,
-                   help="what-if (no measured or published acceptance for this workload): per-token acceptance of "
-                        "self-drafts from a request's own text past the end of its draft; 0: off")
+                   help="what-if: per-token acceptance of self-drafts from a request's own text past the end of its "
+                        "draft; 0: off, as the workers' SuffixIndex is. Published for n-gram drafting on RL rollouts "
+                        "of Qwen3-8B: at least 0.51-0.60 (docs/SIMULATOR.md)")
     p.add_argument("--draft-rule", choices=("paying", "fixed"), default="paying" if AcceptanceModel.paying else "fixed",
                    help="draft length: 'paying' drafts the j-th token while acceptance**j exceeds a draft token's cost "
                         "x the batch's tokens/s (off where it costs more than it saves, deep where a pass is "
