@@ -415,7 +415,7 @@ class WorkerAgent:
         started = time.monotonic()
         try:
             drafts = await self._drafts_for(prompt)
-            request = EngineRequest(key, prompt, cv.sampling_from_pb(job.sampling), drafts, True)
+            request = EngineRequest(key, prompt, cv.sampling_from_pb(job.sampling), drafts, True, draft_job=True)
             async for out in self.engine.generate(request):
                 tokens = out.token_ids  # live list until the final output
                 finished = out.finish_reason is not None

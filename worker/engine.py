@@ -132,6 +132,9 @@ class EngineRequest:
     sampling: SamplingParams
     drafts: tuple[tuple[str, tuple[int, ...]], ...] = ()
     use_drafts: bool = True
+    draft_job: bool = False
+    """A draft job's generation: only its token ids are used (they become a draft), so the
+    engine neither detokenizes it (unless stop strings need the text) nor returns logprobs."""
 
 
 @dataclass(frozen=True)
@@ -263,7 +266,8 @@ class VllmEngine:
             n=1, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
             max_tokens=sp.max_tokens, stop=list(sp.stop) or None,
             stop_token_ids=list(sp.stop_token_ids) or None, seed=sp.seed,
-            ignore_eos=sp.ignore_eos, logprobs=0, detokenize=True,
+            ignore_eos=sp.ignore_eos, logprobs=None if request.draft_job else 0,
+            detokenize=not request.draft_job or bool(sp.stop),
             output_kind=RequestOutputKind.DELTA,
             extra_args={"bubblespec": {"key": request.key, "drafts": drafts,
                                        "enabled": request.use_drafts}},
