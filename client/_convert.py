@@ -76,7 +76,7 @@ def prompt_from_pb(msg: pb.Prompt) -> Prompt:
     return Prompt(
         prompt_id=msg.prompt_id,
         text=msg.text if kind == "text" else None,
-        token_ids=tuple(msg.token_ids.ids) if kind == "token_ids" else None,
+        token_ids=tuple(msg.token_ids.ids[:]) if kind == "token_ids" else None,  # [:]: see completion_from_pb
         max_tokens=msg.max_tokens,
     )
 
@@ -118,8 +118,9 @@ def completion_to_pb(c: Completion) -> pb.Completion:
 
 
 def completion_from_pb(msg: pb.Completion) -> Completion:
-    # positional, in Completion's field order (cheaper than keywords on the scheduler's per-completion path)
-    return Completion(msg.step_id, msg.prompt_id, msg.sample_index, tuple(msg.token_ids), tuple(msg.logprobs),
+    # positional, in Completion's field order (cheaper than keywords on the scheduler's per-completion path);
+    # a repeated field copied by a slice first: one C loop, half the cost of iterating the container item by item
+    return Completion(msg.step_id, msg.prompt_id, msg.sample_index, tuple(msg.token_ids[:]), tuple(msg.logprobs[:]),
                       msg.text, _FINISH_FROM_PB.get(msg.finish_reason, FinishReason.STOP), msg.policy_version,
                       msg.worker_id, msg.prompt_tokens, provenance_from_pb(msg.provenance))
 

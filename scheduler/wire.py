@@ -173,8 +173,9 @@ def scheduler_message(item: Action | pb.SchedulerMessage) -> pb.SchedulerMessage
     raise TypeError(f"not a worker message: {item!r:.80}")
 
 
-def _assignment(req: RequestSpec) -> pb.Assignment:
-    return pb.Assignment(
+def _assignment(req: RequestSpec, make=pb.Assignment) -> pb.Assignment:
+    """``req`` as an ``Assignment`` built by ``make``: a new message, or a batch's ``add`` (built in place)."""
+    return make(
         request_key=req.key, step_id=req.step_id, prompt_id=req.prompt_id,
         sample_index=req.sample_index, prompt_token_ids=req.prompt_token_ids,  # the tuple as it is: no list copy
         sampling=_sampling_pb(req.sampling), policy_version=req.policy_version,
@@ -189,31 +190,34 @@ def scheduler_messages(items: list, batch: bool, max_bytes: int = 0) -> Iterator
     item ends a run of them, so an Abort never overtakes the Assign before it. Without
     ``batch``: one message per item."""
     cap = min(max_bytes or BATCH_BYTES, BATCH_BYTES)
-    group: list[pb.Assignment] = []
-    size = 0
+    msg: pb.SchedulerMessage | None = None  # the batch being filled: each entry built in place, never copied
+    size = count = 0
     for item in items:
         if not batch or not isinstance(item, Assign):
-            yield from _assign_group(group)
-            group, size = [], 0
+            if msg is not None:
+                yield _assign_batch(msg, count)
+                msg, size, count = None, 0, 0
             yield scheduler_message(item)
             continue
-        a = _assignment(item.request)  # built once, copied once into the message that carries it
-        n = a.ByteSize() + 6  # an entry's tag and length prefix take at most 6 bytes
-        if group and (len(group) >= ASSIGN_BATCH_MAX or size + n > cap - 16):
-            yield from _assign_group(group)
-            group, size = [], 0
-        group.append(a)
+        if msg is None:
+            msg = pb.SchedulerMessage()
+            add = msg.assigns.assignments.add
+        n = _assignment(item.request, add).ByteSize() + 6  # an entry's tag and length prefix take at most 6 bytes
+        if count and (count >= ASSIGN_BATCH_MAX or size + n > cap - 16):
+            del msg.assigns.assignments[-1]  # it opens the next batch
+            yield _assign_batch(msg, count)
+            msg, size, count = pb.SchedulerMessage(), 0, 0
+            add = msg.assigns.assignments.add
+            _assignment(item.request, add)
         size += n
-    yield from _assign_group(group)
+        count += 1
+    if msg is not None:
+        yield _assign_batch(msg, count)
 
 
-def _assign_group(group: list[pb.Assignment]) -> Iterator[pb.SchedulerMessage]:
-    if len(group) == 1:
-        yield pb.SchedulerMessage(assign=group[0])
-    elif group:
-        msg = pb.SchedulerMessage()
-        msg.assigns.assignments.extend(group)
-        yield msg
+def _assign_batch(msg: pb.SchedulerMessage, count: int) -> pb.SchedulerMessage:
+    """A filled ``assigns`` batch of ``count`` entries; one alone goes as a single ``assign``."""
+    return pb.SchedulerMessage(assign=msg.assigns.assignments[0]) if count == 1 else msg
 
 
 BATCH_BYTES = 2**20

@@ -343,7 +343,7 @@ class WorkerAgent:
         (the batch entry it came in as, ``assigns[3]``; "" for a single ``assign``)."""
         key = a.request_key
         try:
-            prompt = tuple(a.prompt_token_ids)
+            prompt = tuple(a.prompt_token_ids[:])  # a slice first: one C loop, not one call per token
             drafts = await self._drafts_for(prompt) if a.use_drafts else ()
             request = EngineRequest(key, prompt, cv.sampling_from_pb(a.sampling), drafts, a.use_drafts)
             loaded = self.version  # the weights that generate it (stamped on the completion)
