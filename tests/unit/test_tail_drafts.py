@@ -130,16 +130,19 @@ def test_without_the_paying_rule_the_makespan_setting_changes_nothing():
     assert on.run() == off.run() and on.drafted == off.drafted
 
 
-@pytest.mark.parametrize("cover", [
-    [0, 120] + [30] * 46,  # the longest response has no draft: the batch ends with it whatever the rule
-    [50, 120] + [30] * 46,  # its draft was cut short (a draft job stopped half-way)
-    [100, 40, 120] + [60] * 20 + [10] * 25,  # most drafts partial
+ONE_LONG = [400, 120] + [30] * 46
+MANY_PARTIAL = [400, 200, 120] + [60] * 20 + [30] * 25
+
+
+@pytest.mark.parametrize("lengths,cover", [
+    (ONE_LONG, [0, 120] + [30] * 46),  # the longest response has no draft: the batch ends with it whatever the rule
+    (ONE_LONG, [50, 120] + [30] * 46),  # its draft was cut short (a draft job stopped half-way)
+    (MANY_PARTIAL, [100, 40, 120] + [60] * 20 + [10] * 25),  # most drafts partial
 ])
-def test_partial_drafts_never_make_the_rule_for_the_last_request_slower(cover):
+def test_partial_drafts_never_make_the_rule_for_the_last_request_slower(lengths, cover):
     """The rule predicts a request's remaining length from its draft's remaining tokens, which a
     partial draft understates; under the step's cost model it must still end no later than the
     cost rule alone (0.1%: with no draft for the longest, both verify nearly the same tokens)."""
-    lengths = [400, 120] + [30] * 46 if len(cover) == 48 else [400, 200, 120] + [60] * 20 + [30] * 25
     on, off = Batch(lengths, makespan=True, cover=cover), Batch(lengths, makespan=False, cover=cover)
     assert on.run() <= off.run() * 1.001
     assert on.generated == off.generated == dict(zip(on.answers, lengths))
