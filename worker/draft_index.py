@@ -23,7 +23,7 @@ and ``sibling`` (the other samples of the same prompt, read live from the batch)
 
 Drafts never change a result: vLLM verifies them against the target model.
 
-Adaptive length (``DraftLength``): each request keeps an exponential moving average ``a`` of
+Adaptive length (``DraftLength``): each request keeps, per draft source, an exponential moving average ``a`` of
 its per-token acceptance.  The j-th draft token is accepted with probability about ``a**j``,
 so we draft while ``a**j >= min_accept_prob``; the batch caps it at
 ``token_budget // batch_size`` so that verification never makes a step compute-bound; a
@@ -258,12 +258,15 @@ class RequestDrafter:
         self._static = len(candidates)
         self.rule = rule
         self.match_len = match_len
-        self.accept = rule.prior
+        self.accepts = dict.fromkeys(SOURCES, rule.prior)
+        """Acceptance average by draft source, kept apart: a sibling that runs in step with
+        the request (greedy decoding makes every sample the same) only matches the request's
+        own past, and its rejected proposals must not shorten a stored draft that is accepted."""
         self.stats = RequestStats()
         self._cursor: tuple[int, int] | None = None  # (candidate index, position)
         self._seen = 0  # generated tokens already folded into the cursor
+        self._missed = -1  # output length at which the last search found nothing (no new search there)
         self._last: tuple[str, int] | None = None  # (source, drafted) of the last proposal
-        self.suffix_accept = rule.prior  # acceptance average of self-suffix drafts, kept apart
         self._suffix = SuffixIndex(suffix, prompt_tokens) if suffix is not None and suffix.enabled else None
         self._suffix_seen = 0  # generated tokens already in the suffix index
         self._suffix_prompt = len(prompt_tokens)
@@ -278,15 +281,24 @@ class RequestDrafter:
         self.stats.drafted[source] += drafted
         self.stats.accepted[source] += accepted
         rate = accepted / drafted
-        if source == "suffix":
-            self.suffix_accept = (1 - self.rule.ema) * self.suffix_accept + self.rule.ema * rate
-        else:
-            self.accept = (1 - self.rule.ema) * self.accept + self.rule.ema * rate
+        self.accepts[source] = (1 - self.rule.ema) * self.accepts[source] + self.rule.ema * rate
         self._last = None
+
+    @property
+    def accept(self) -> float:
+        """Acceptance average of the candidate that continues the request now (where none
+        does, of ``future`` drafts, the usual first candidate)."""
+        return self.accepts[self.candidates[self._cursor[0]].source if self._cursor is not None else "future"]
+
+    @property
+    def suffix_accept(self) -> float:
+        """Acceptance average of self-suffix drafts."""
+        return self.accepts["suffix"]
 
     def set_siblings(self, siblings: list[Candidate]) -> None:
         """Replace the live sibling candidates (the static ones come first and stay)."""
         self.candidates = self.candidates[: self._static] + siblings
+        self._missed = -1  # new contents: a search may find something now
         if self._cursor is not None and self._cursor[0] >= self._static:
             self._cursor = None  # sibling contents moved on; search again
 
@@ -306,12 +318,12 @@ class RequestDrafter:
         if self._suffix is not None:
             self._sync_suffix(generated)
         decided = k is not None
-        if k is None:
-            k = self.rule.for_request(self.accept, self.stats.forward_passes, cap, tokens_per_second)
-        pos = self._advance(generated) if k > 0 and self.candidates else None
+        pos = self._advance(generated) if (cap if k is None else k) > 0 and self.candidates else None
         if pos is not None:
             idx, at = pos
             cand = self.candidates[idx]
+            if k is None:  # by the acceptance of this candidate's source
+                k = self.rule.for_request(self.accepts[cand.source], self.stats.forward_passes, cap, tokens_per_second)
             draft = cand.tokens[at : at + k]
             if len(draft):
                 self._last = (cand.source, len(draft))
@@ -345,36 +357,49 @@ class RequestDrafter:
                 self._cursor = (idx, at + len(new))
                 self._seen = g
                 return self._cursor
+        elif g == self._missed:  # searched at this length already (the batch plan, then the proposal)
+            return None
         self._cursor = self._search(generated)
         self._seen = g
+        self._missed = g if self._cursor is None else -1
         return self._cursor
 
     def _search(self, generated: np.ndarray) -> tuple[int, int] | None:
+        """Where a candidate continues ``generated``. A sibling no longer than the request has
+        no token ahead of it: under greedy decoding it is the request itself, and a match in
+        it is only the request's own past (``SuffixRule``'s business), so siblings count only
+        while they are ahead."""
         g = len(generated)
-        for idx, cand in enumerate(self.candidates):  # a candidate that agrees with everything so far
-            if len(cand.tokens) > g and np.array_equal(cand.tokens[:g], generated):
+        usable = [(idx, c.tokens) for idx, c in enumerate(self.candidates)
+                  if len(c.tokens) > g or (idx < self._static and len(c.tokens) > 1)]
+        for idx, tokens in usable:  # a candidate that agrees with everything so far
+            if len(tokens) > g and np.array_equal(tokens[:g], generated):
                 return idx, g
-        for m in range(min(self.match_len, g), 0, -1):  # longest generated suffix that matches
-            best = self._nearest(generated[g - m:], g)
-            if best is not None:
-                return best
-        return None
+        return _nearest(usable, generated[g - min(self.match_len, g):], g) if g else None
 
-    def _nearest(self, tail: np.ndarray, g: int) -> tuple[int, int] | None:
-        """(candidate, position after ``tail``) of the occurrence nearest position ``g``."""
-        m = len(tail)
-        best: tuple[int, int, int] | None = None  # (distance, idx, position after match)
-        for idx, cand in enumerate(self.candidates):
-            tokens = cand.tokens
-            if len(tokens) <= m:
-                continue
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], m)
-            hits = np.flatnonzero((windows == tail).all(axis=1))
-            if len(hits) == 0:
-                continue
-            after = hits + m
-            j = int(np.argmin(np.abs(after - g)))
-            dist = int(abs(after[j] - g))
-            if best is None or dist < best[0]:
-                best = (dist, idx, int(after[j]))
-        return None if best is None else (best[1], best[2])
+
+def _nearest(candidates: list[tuple[int, np.ndarray]], tail: np.ndarray, g: int) -> tuple[int, int] | None:
+    """(candidate index, position after the match) for the longest suffix of ``tail`` that
+    occurs in a candidate before its last token; among those of that length, the occurrence
+    nearest position ``g`` (the first candidate on a tie). One comparison per candidate finds
+    where the last token occurs; the longer suffixes are checked at those places only."""
+    m = len(tail)
+    best: tuple[int, int, int, int] | None = None  # (-match length, distance, idx, position after)
+    for idx, tokens in candidates:
+        ends = np.flatnonzero(tokens[:-1] == tail[-1])  # where a match's last token sits
+        if len(ends) == 0:
+            continue
+        length = np.ones(len(ends), dtype=np.int64)
+        agree = np.ones(len(ends), dtype=bool)
+        for j in range(1, m):  # extend backwards while the tokens keep agreeing
+            back = ends - j
+            agree &= back >= 0
+            agree[agree] = tokens[back[agree]] == tail[-1 - j]
+            length += agree
+        top = int(length.max())
+        after = ends[length == top] + 1
+        j = int(np.argmin(np.abs(after - g)))
+        key = (-top, int(abs(after[j] - g)), idx, int(after[j]))
+        if best is None or key[:2] < best[:2]:
+            best = key
+    return None if best is None else (best[2], best[3])

@@ -55,3 +55,65 @@ def test_acceptance_average_drops_after_rejections():
     d.propose(arr(10), cap=4)
     d.observe(1)
     assert d.accept < before
+
+
+def test_a_rejected_sibling_does_not_shorten_a_stored_draft():
+    """Acceptance is averaged per source: a sibling's rejected proposals must not cut the
+    length of a stored draft that continues the request later."""
+    d = RequestDrafter([Candidate("future", arr(7, 8, 9, 10, 11, 12))], RULE)
+    generated = [1, 2, 1, 2]
+    for said in (20, 21, 22):
+        d.set_siblings([Candidate("sibling", arr(*generated, 30, 31))])  # ahead, on another path
+        assert d.propose(arr(*generated), cap=4)[:1] == [30]  # shorter as its acceptance falls
+        d.observe(1)  # rejected: the target said something else
+        generated += [said, 1, 2]
+    d.set_siblings([Candidate("sibling", arr(*generated, 30, 31))])
+    assert d.propose(arr(*generated, 7, 8), cap=4) == [9, 10, 11]  # the prior's length (0.7**3 >= 0.3)
+    assert d.accepts["sibling"] < RULE.min_accept_prob < d.accepts["future"] == RULE.prior
+
+
+def test_a_sibling_in_step_with_the_request_proposes_nothing():
+    """Under greedy decoding a sibling that started with the request is the request itself:
+    with no token ahead, a match in it is only the request's own past."""
+    d = RequestDrafter([], RULE)
+    d.set_siblings([Candidate("sibling", arr(1, 2, 1, 2))])
+    assert d.propose(arr(1, 2, 1, 2), cap=4) == []
+    d.set_siblings([Candidate("sibling", arr(1, 2, 1, 2, 3))])  # one token ahead: it continues the request
+    assert d.propose(arr(1, 2, 1, 2), cap=4) == [3]
+
+
+def test_resync_prefers_the_longest_match_then_the_nearest():
+    history = arr(4, 5, 6, 1, 2, 9, 9, 3, 2, 7, 7, 3, 2, 8)  # "3 2" ends at 8 and at 12
+    d = RequestDrafter([Candidate("history", history)], RULE)
+    assert d.propose(arr(7, 3, 2), cap=4) == [8]  # "7 3 2" (at 12) beats the nearer "9 3 2"'s "3 2"
+    d = RequestDrafter([Candidate("history", history)], RULE)
+    assert d.propose(arr(0, 3, 2), cap=4) == [7, 7, 3]  # "3 2" twice: the occurrence nearest position 3
+
+
+def _brute_force_resync(candidates, generated, match_len=3):
+    """The resync rule written out plainly: the longest suffix (up to ``match_len``) of
+    ``generated`` found in any candidate (not counting its last token), then the occurrence
+    nearest ``len(generated)``, the first candidate on a tie."""
+    g = len(generated)
+    for m in range(min(match_len, g), 0, -1):
+        best = None
+        for idx, tokens in enumerate(candidates):
+            for start in range(len(tokens) - m):
+                if list(tokens[start:start + m]) == list(generated[g - m:]):
+                    key = (abs(start + m - g), idx, start + m)
+                    if best is None or key[0] < best[0]:
+                        best = key
+        if best is not None:
+            return best[1], best[2]
+    return None
+
+
+def test_resync_agrees_with_the_rule_written_out_plainly():
+    rng = np.random.default_rng(7)
+    for _ in range(400):
+        cands = [rng.integers(0, 4, int(rng.integers(1, 30))) for _ in range(int(rng.integers(1, 4)))]
+        generated = rng.integers(0, 4, int(rng.integers(1, 12)))
+        d = RequestDrafter([Candidate("history", c) for c in cands], RULE)
+        found = d._search(generated)
+        aligned = [i for i, c in enumerate(cands) if len(c) > len(generated) and list(c[:len(generated)]) == list(generated)]
+        assert found == ((aligned[0], len(generated)) if aligned else _brute_force_resync(cands, generated))
