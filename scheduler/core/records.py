@@ -47,9 +47,10 @@ class WorkerState:
         return self.hello.capacity
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestState:
-    """One request (one sample of one prompt) of a step."""
+    """One request (one sample of one prompt) of a step (slots: one per request, made as its step
+    arrives)."""
 
     spec: RequestSpec
     worker: str | None = None

@@ -782,16 +782,21 @@ _step_of = step_of
 
 
 def _expand(spec: StepSpec) -> list[RequestSpec]:
-    out = []
-    samplings: dict[tuple[int, int], SamplingParams] = {}  # (max_tokens, i): one object per pair, not per request
+    """A step's requests, prompt by prompt, sample by sample (8,192 in the load test's steps)."""
+    out: list[RequestSpec] = []
+    step_id, version, use_drafts, base = spec.step_id, spec.policy_version, spec.use_drafts, spec.sampling
+    n = base.n
+    samplings: dict[int, list[SamplingParams]] = {}  # max_tokens -> sample i's: one object per pair, not per request
     for p in spec.prompts:
-        for i in range(spec.sampling.n):
-            sampling = samplings.get((p.max_tokens, i))
-            if sampling is None:
-                seed = None if spec.sampling.seed is None else spec.sampling.seed + i
-                sampling = samplings[p.max_tokens, i] = replace(spec.sampling, n=1, seed=seed, max_tokens=p.max_tokens)
-            out.append(RequestSpec(request_key(spec.step_id, p.prompt_id, i), spec.step_id, p.prompt_id, i,
-                                   p.token_ids, sampling, spec.policy_version, spec.use_drafts, spec.sampling.n))
+        per_sample = samplings.get(p.max_tokens)
+        if per_sample is None:
+            per_sample = samplings[p.max_tokens] = [
+                replace(base, n=1, seed=None if base.seed is None else base.seed + i, max_tokens=p.max_tokens)
+                for i in range(n)]
+        prompt_id, ids = p.prompt_id, p.token_ids
+        for i, sampling in enumerate(per_sample):
+            out.append(RequestSpec(request_key(step_id, prompt_id, i), step_id, prompt_id, i, ids, sampling, version,
+                                   use_drafts, n))
     return out
 
 

@@ -134,9 +134,10 @@ class StepSpec:
         return len(self.prompts) * self.sampling.n
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RequestSpec:
-    """One (prompt, sample) of a step: the unit of dispatch."""
+    """One (prompt, sample) of a step: the unit of dispatch. Slots: a step makes one per request
+    (8,192 per step in the load test), 48 bytes smaller and quicker to make without a ``__dict__``."""
 
     key: str
     step_id: str
