@@ -158,8 +158,8 @@ def scheduler_message(item: Action | pb.SchedulerMessage) -> pb.SchedulerMessage
     match item:
         case pb.SchedulerMessage():
             return item
-        case Assign(_, req):
-            return pb.SchedulerMessage(assign=_assignment(req))
+        case Assign(_, req, predicted):
+            return pb.SchedulerMessage(assign=_assignment(req, predicted))
         case Abort(_, key):
             return pb.SchedulerMessage(abort=pb.Abort(request_key=key))
         case LoadPolicy(_, version, path):
@@ -173,13 +173,13 @@ def scheduler_message(item: Action | pb.SchedulerMessage) -> pb.SchedulerMessage
     raise TypeError(f"not a worker message: {item!r:.80}")
 
 
-def _assignment(req: RequestSpec, make=pb.Assignment) -> pb.Assignment:
+def _assignment(req: RequestSpec, predicted: float = 0.0, make=pb.Assignment) -> pb.Assignment:
     """``req`` as an ``Assignment`` built by ``make``: a new message, or a batch's ``add`` (built in place)."""
     return make(
         request_key=req.key, step_id=req.step_id, prompt_id=req.prompt_id,
         sample_index=req.sample_index, prompt_token_ids=req.prompt_token_ids,  # the tuple as it is: no list copy
         sampling=_sampling_pb(req.sampling), policy_version=req.policy_version,
-        use_drafts=req.use_drafts, group_size=req.group_size)
+        use_drafts=req.use_drafts, group_size=req.group_size, predicted_tokens=predicted)
 
 
 def scheduler_messages(items: list, batch: bool, max_bytes: int = 0) -> Iterator[pb.SchedulerMessage]:
@@ -202,13 +202,14 @@ def scheduler_messages(items: list, batch: bool, max_bytes: int = 0) -> Iterator
         if msg is None:
             msg = pb.SchedulerMessage()
             add = msg.assigns.assignments.add
-        n = _assignment(item.request, add).ByteSize() + 6  # an entry's tag and length prefix take at most 6 bytes
+        # an entry's tag and length prefix take at most 6 bytes
+        n = _assignment(item.request, item.predicted_tokens, add).ByteSize() + 6
         if count and (count >= ASSIGN_BATCH_MAX or size + n > cap - 16):
             del msg.assigns.assignments[-1]  # it opens the next batch
             yield _assign_batch(msg, count)
             msg, size, count = pb.SchedulerMessage(), 0, 0
             add = msg.assigns.assignments.add
-            _assignment(item.request, add)
+            _assignment(item.request, item.predicted_tokens, add)
         size += n
         count += 1
     if msg is not None:

@@ -345,7 +345,8 @@ class WorkerAgent:
         try:
             prompt = tuple(a.prompt_token_ids[:])  # a slice first: one C loop, not one call per token
             drafts = await self._drafts_for(prompt) if a.use_drafts else ()
-            request = EngineRequest(key, prompt, cv.sampling_from_pb(a.sampling), drafts, a.use_drafts)
+            request = EngineRequest(key, prompt, cv.sampling_from_pb(a.sampling), drafts, a.use_drafts,
+                                    predicted_tokens=a.predicted_tokens)
             loaded = self.version  # the weights that generate it (stamped on the completion)
             last_report = time.monotonic()
             final = None

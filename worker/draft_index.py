@@ -250,8 +250,12 @@ class RequestDrafter:
         match_len: int = 3,
         suffix: SuffixRule | None = None,
         prompt_tokens=(),
+        predicted: float = 0.0,
     ):
         self.key = key
+        self.predicted = predicted
+        """The scheduler's predicted response length (0: none), for the batch's plan where no
+        candidate continues the request (``tail_drafts``)."""
         self.prompt_hash = prompt_hash
         self.prompt_len = prompt_len
         self.candidates = candidates

@@ -135,6 +135,9 @@ class EngineRequest:
     draft_job: bool = False
     """A draft job's generation: only its token ids are used (they become a draft), so the
     engine neither detokenizes it (unless stop strings need the text) nor returns logprobs."""
+    predicted_tokens: float = 0.0
+    """The scheduler's predicted response length (0: none): the proposer's batch plan counts
+    a request no draft continues by it (``tail_drafts``). Proposals only: exact either way."""
 
 
 @dataclass(frozen=True)
@@ -270,7 +273,7 @@ class VllmEngine:
             detokenize=not request.draft_job or bool(sp.stop),
             output_kind=RequestOutputKind.DELTA,
             extra_args={"bubblespec": {"key": request.key, "drafts": drafts,
-                                       "enabled": request.use_drafts}},
+                                       "enabled": request.use_drafts, "predicted": request.predicted_tokens}},
         )
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:

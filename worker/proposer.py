@@ -13,7 +13,7 @@ before the runner exists as an attribute, so the worker calls ``collective_rpc
 ``extra_args["bubblespec"]`` layout::
 
     {"key": "<request key>", "drafts": [["future" | "history", <uint32 LE bytes>], ...],
-     "enabled": true}
+     "enabled": true, "predicted": <the scheduler's predicted response length, 0: none>}
 
 Where no candidate continues a request, it can draft from its own prompt + output (source
 ``suffix``, ``draft_index.SuffixRule``; engine setting ``self_suffix_drafting``, off by default).
@@ -175,15 +175,24 @@ class BubbleSpecProposer:
 
     def _makespan_lengths(self, live: list[tuple[int, RequestDrafter, np.ndarray]]) -> dict[int, int]:
         """Row -> draft length from ``tail_drafts`` for the rows a candidate continues; the pass
-        without drafts is the measured step time less what the step's draft tokens cost."""
-        covered = [(i, d, n) for i, d, g in live if (n := d.coverage(g)) > 0]
-        if not covered:
+        without drafts is the measured step time less what the step's draft tokens cost. A row
+        no candidate continues is in the plan too, with what the scheduler predicts it still
+        has to generate (``predicted``): it may be the one that ends the batch, and then
+        drafting the others deep only makes its passes slower."""
+        plan: list[tuple[int, RequestDrafter, int, float]] = []  # (row, drafter, draft tokens left, undrafted tokens)
+        for i, d, g in live:
+            n = d.coverage(g)
+            if n > 0:
+                plan.append((i, d, n, 0.0))
+            elif d.predicted > len(g):
+                plan.append((i, d, 0, d.predicted - len(g)))
+        if not any(n for _, _, n, _ in plan):
             return {}
         c = self.rule.draft_token_seconds
         bare = max(0.25 * self.rate.seconds, self.rate.seconds - c * self.drafted)
-        k = makespan_draft_tokens([n for _, _, n in covered], [d.accept for _, d, _ in covered],
-                                  [self.rule.max_tokens] * len(covered), bare, c)
-        return {i: int(x) for (i, _, _), x in zip(covered, k)}
+        k = makespan_draft_tokens([n for _, _, n, _ in plan], [d.accept for _, d, _, _ in plan],
+                                  [self.rule.max_tokens] * len(plan), bare, c, [u for _, _, _, u in plan])
+        return {i: int(x) for (i, _, n, _), x in zip(plan, k) if n > 0}
 
     def _measure(self, rows: dict[str, int], sampled_token_ids) -> float:
         """Fold this step into the batch's tokens/s and return the rate (0: none yet). Only with
@@ -210,7 +219,8 @@ class BubbleSpecProposer:
                  for src, raw in extra.get("drafts", [])]
         prompt = tuple(state.prompt_token_ids or ())
         drafter = RequestDrafter(cands, self.rule, key=extra["key"], prompt_hash=hash(prompt),
-                                 prompt_len=len(prompt), suffix=self.suffix, prompt_tokens=prompt)
+                                 prompt_len=len(prompt), suffix=self.suffix, prompt_tokens=prompt,
+                                 predicted=float(extra.get("predicted") or 0.0))
         self.drafters[req_id] = drafter
         return drafter
 

@@ -22,8 +22,14 @@ slower than not drafting) and returns the ``k_i`` of the cheapest plan. The long
 deep drafts, the short ones none. It is recomputed every engine step, so as the long requests
 advance and the short ones end, the plan follows.
 
-The proposer applies it to the rows a candidate continues; the rest (no candidate, so at
-most self-suffix drafts) keep the throughput rule (``proposer.BubbleSpecProposer``). Where
+A request may also have ``U_i`` tokens to generate past its draft, one a pass (``undrafted``):
+it then takes ``L_i / E_i(k_i) + U_i`` passes. The proposer uses it for the requests no
+candidate continues (``L_i = 0``, ``U_i`` = the scheduler's predicted length less what it
+generated): where such a request ends the batch, drafting the others deep cannot shorten
+the batch and only slows every pass of it, so the plan drafts only what would end later.
+
+The proposer applies the lengths to the rows a candidate continues; the rest (no candidate, so
+at most self-suffix drafts) keep the throughput rule (``proposer.BubbleSpecProposer``). Where
 more requests will join the batch before its last one ends (a queue deeper than the engine),
 the plan still ends the current batch's last request soonest, which is what frees its slot.
 """
@@ -38,13 +44,18 @@ GRID_POINTS = 16
 """Pass targets tried between the fewest and the most passes (geometric)."""
 
 
-def makespan_draft_tokens(remaining, accept, most, pass_seconds: float, draft_token_seconds: float) -> np.ndarray:
+def makespan_draft_tokens(remaining, accept, most, pass_seconds: float, draft_token_seconds: float,
+                          undrafted=None) -> np.ndarray:
     """Draft tokens per request (int array) that minimise the modelled time until the last of
     them ends (module docstring). ``remaining``: draft tokens left ahead of each request;
     ``accept``: each one's per-token acceptance (0-1); ``most``: each one's cap;
-    ``pass_seconds``: a pass without drafts (``T0``); ``draft_token_seconds``: ``c``. Every pass
-    target of the grid is evaluated at once (a grid x batch array): ~0.1 ms for a batch of 64."""
+    ``pass_seconds``: a pass without drafts (``T0``); ``draft_token_seconds``: ``c``;
+    ``undrafted``: tokens each request is predicted to generate past its draft, one per pass
+    (``U_i``, default none): a request with no draft at all is ``remaining`` 0 and ``undrafted``
+    its predicted length, and it may be the one that ends the batch. Every pass target of the
+    grid is evaluated at once (a grid x batch array): ~0.1 ms for a batch of 64."""
     L = np.asarray(remaining, dtype=np.float64)
+    U = np.zeros(len(L)) if undrafted is None else np.maximum(np.asarray(undrafted, dtype=np.float64), 0.0)
     a = np.clip(np.asarray(accept, dtype=np.float64), 0.0, 1.0)
     m = np.minimum(np.asarray(most, dtype=np.float64), L)
     zeros = np.zeros(len(L), dtype=np.int64)
@@ -57,15 +68,16 @@ def makespan_draft_tokens(remaining, accept, most, pass_seconds: float, draft_to
     def per_pass(k):  # expected tokens a pass gives each request drafting k
         return np.where(sure, k + 1.0, -np.expm1(log_q * (k + 1.0)) / one_minus_q)
 
-    p_max = float(L.max())
-    p_min = float(np.max(L / per_pass(m)))
+    p_max = float(np.max(L + U))
+    p_min = float(np.max(L / per_pass(m) + U))
     if p_min >= p_max:
         return zeros
-    needed = L / np.geomspace(p_min, p_max, GRID_POINTS)[:, None]  # tokens a pass each needs, per target
+    targets = np.geomspace(p_min, p_max, GRID_POINTS)[:, None]
+    needed = L / np.maximum(targets - U, 1e-9)  # tokens a pass each needs on its draft, per target
     k_geo = np.ceil(np.log(np.maximum(1.0 - one_minus_q * needed, 1e-300)) / log_q - 1.0 - 1e-9)
     k = np.where(sure, np.ceil(needed - 1.0 - 1e-9), k_geo)
     k = np.clip(np.where(needed <= 1.0, 0.0, k), 0.0, m)
-    passes = np.max(L / per_pass(k), axis=1)
+    passes = np.max(L / per_pass(k) + U, axis=1)
     cost = passes * (pass_seconds + draft_token_seconds * k.sum(axis=1))
-    best = int(np.argmin(cost))  # the last target is max(L): no drafts, the plan to beat
+    best = int(np.argmin(cost))  # the last target is max(L + U): no drafts, the plan to beat
     return k[best].astype(np.int64) if cost[best] < p_max * pass_seconds else zeros

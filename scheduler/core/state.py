@@ -648,7 +648,8 @@ class SchedulerCore(CoreView):
             req.worker, req.started_at, req.progress, req.progress_at = wid, now, 0, now
             running.add(key)
             self.balancer.stalls.started(step.spec.step_id, key, wid, now, self.settings.stall_seconds)
-            actions.append(Assign(wid, req.spec))
+            actions.append(Assign(wid, req.spec, min(self._predicted(req.spec.prompt_token_ids),
+                                                     float(req.spec.sampling.max_tokens))))
         if not running:
             actions += self._plan_drafts(w)
         self.timing.set_state(w, now)

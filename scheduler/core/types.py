@@ -168,6 +168,9 @@ class DraftJobSpec:
 class Assign:
     worker_id: str
     request: RequestSpec
+    predicted_tokens: float = 0.0
+    """The core's predicted response length for the request (0: none), for the worker's draft
+    plan (``worker/tail_drafts.py``)."""
 
 
 @dataclass(frozen=True)

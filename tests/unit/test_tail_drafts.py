@@ -68,7 +68,7 @@ class Batch:
     requests leave the batch. ``run`` returns the time until the last one ended."""
 
     def __init__(self, lengths: list[int], makespan: bool, c: float = CPU_TINY_DRAFT_TOKEN, pass_seconds: float = 0.01,
-                 cover: list[int] | None = None):
+                 cover: list[int] | None = None, predicted: list[float] | None = None):
         extra = {"cpu_sampler_fix": False, "draft_token_seconds": c, "makespan": makespan}
         config = SimpleNamespace(additional_config={"bubblespec": extra},
                                  speculative_config=SimpleNamespace(num_speculative_tokens=32),
@@ -80,9 +80,11 @@ class Batch:
         self.answers = {f"r{i}": np.arange(1000 + 7 * i, 1000 + 7 * i + n, dtype=np.int64) for i, n in enumerate(lengths)}
         self.prompts = {rid: (5 + i, 6 + i, 7 + i) for i, rid in enumerate(self.answers)}
         cover = cover or lengths  # tokens of each answer its draft holds (a partial draft: fewer)
+        predicted = predicted or [0.0] * len(lengths)  # the scheduler's predicted lengths (0: none)
         requests = {rid: SimpleNamespace(prompt_token_ids=list(self.prompts[rid]), sampling_params=SimpleNamespace(
-            extra_args={"bubblespec": {"key": rid, "drafts": [["future", a[:n].astype("<u4").tobytes()]] if n else []}}))
-            for (rid, a), n in zip(self.answers.items(), cover)}
+            extra_args={"bubblespec": {"key": rid, "drafts": [["future", a[:n].astype("<u4").tobytes()]] if n else [],
+                                       "predicted": p}}))
+            for (rid, a), n, p in zip(self.answers.items(), cover, predicted)}
         self.batch = SimpleNamespace(req_ids=list(requests))
         self.proposer.runner = SimpleNamespace(input_batch=self.batch, requests=requests)
         self.pass_seconds, self.c = pass_seconds, c

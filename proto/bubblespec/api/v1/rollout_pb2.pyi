@@ -387,7 +387,7 @@ class WorkerMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., completion: _Optional[_Union[WorkerCompletion, _Mapping]] = ..., aborted: _Optional[_Union[Aborted, _Mapping]] = ..., policy_loaded: _Optional[_Union[PolicyLoaded, _Mapping]] = ..., draft_result: _Optional[_Union[DraftResult, _Mapping]] = ..., control_result: _Optional[_Union[ControlResult, _Mapping]] = ..., completions: _Optional[_Union[WorkerCompletionBatch, _Mapping]] = ..., progress_batch: _Optional[_Union[ProgressBatch, _Mapping]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("request_key", "step_id", "prompt_id", "sample_index", "prompt_token_ids", "sampling", "policy_version", "use_drafts", "group_size")
+    __slots__ = ("request_key", "step_id", "prompt_id", "sample_index", "prompt_token_ids", "sampling", "policy_version", "use_drafts", "group_size", "predicted_tokens")
     REQUEST_KEY_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -397,6 +397,7 @@ class Assignment(_message.Message):
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     USE_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_key: str
     step_id: str
     prompt_id: str
@@ -406,7 +407,8 @@ class Assignment(_message.Message):
     policy_version: int
     use_drafts: bool
     group_size: int
-    def __init__(self, request_key: _Optional[str] = ..., step_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy_version: _Optional[int] = ..., use_drafts: _Optional[bool] = ..., group_size: _Optional[int] = ...) -> None: ...
+    predicted_tokens: float
+    def __init__(self, request_key: _Optional[str] = ..., step_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy_version: _Optional[int] = ..., use_drafts: _Optional[bool] = ..., group_size: _Optional[int] = ..., predicted_tokens: _Optional[float] = ...) -> None: ...
 
 class AssignBatch(_message.Message):
     __slots__ = ("assignments",)
