@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from .base import StatsRecorder, StoreStats
@@ -197,11 +198,16 @@ def redis_client(settings: StoreSettings) -> Redis:
 
 
 def _client_options(settings: StoreSettings) -> dict[str, Any]:
-    """Keyword arguments of ``Redis.from_url``: timeouts, no retries, password, TLS files."""
+    """Keyword arguments of ``Redis.from_url``: timeouts, password, TLS files, and one retry, on
+    a fresh connection, of an operation whose connection broke (never of a timeout: a hung
+    server costs one timeout per operation, no more). A pooled connection that sat idle
+    across a Redis restart breaks on first use; without the retry that cost the circuit
+    breaker's whole window of drafts. The retry can repeat a write that reached Redis before
+    the connection broke: a draft or length stored twice, which costs a list slot, nothing more."""
     options: dict[str, Any] = {
         "socket_timeout": settings.op_timeout_seconds,
         "socket_connect_timeout": settings.op_timeout_seconds,
-        "retry": Retry(NoBackoff(), 0),
+        "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         "decode_responses": False,
     }
     if settings.password:

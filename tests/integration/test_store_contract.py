@@ -393,6 +393,22 @@ async def test_redis_operations_are_bounded_by_op_timeout() -> None:
         await store.close()
 
 
+async def test_a_connection_left_idle_across_a_restart_costs_no_drafting_window() -> None:
+    """A pooled connection made before Redis restarted is broken on its next use: the store
+    retries that operation once on a fresh connection, so the breaker stays closed."""
+    with RedisServer() as server:
+        settings = redis_settings(server.url, retry_after_seconds=5.0, op_timeout_seconds=5.0)
+        inner = RedisStore(settings)
+        store = ResilientStore(inner, settings)
+        await store.put_draft(PROMPT_A, entry(1))  # the pool now holds a connection
+        server.kill()
+        server.start()  # nothing used the store meanwhile: its pooled connection is stale
+        await store.put_draft(PROMPT_A, entry(2))
+        assert store.available and inner.stats.errors == 0
+        assert await store.get_drafts([PROMPT_A]) == {PROMPT_A: [entry(2)]}  # a fresh server: only the new one
+        await store.close()
+
+
 async def test_resilient_store_rides_out_a_killed_redis() -> None:
     clock = FakeClock()
     with RedisServer() as server:
