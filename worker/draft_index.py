@@ -23,9 +23,9 @@ and ``sibling`` (the other samples of the same prompt, read live from the batch)
 
 Drafts never change a result: vLLM verifies them against the target model.
 
-Adaptive length (``DraftLength``): each request keeps, per draft source, an exponential moving average ``a`` of
-its per-token acceptance.  The j-th draft token is accepted with probability about ``a**j``,
-so we draft while ``a**j >= min_accept_prob``; the batch caps it at
+Adaptive length (``DraftLength``): each request keeps, per draft source, an exponential moving
+average ``a`` of its per-token acceptance.  The j-th draft token is accepted with probability
+about ``a**j``, so we draft while ``a**j >= min_accept_prob``; the batch caps it at
 ``token_budget // batch_size`` so that verification never makes a step compute-bound; a
 request whose acceptance collapsed drafts one probe token every ``probe_every`` steps.
 
