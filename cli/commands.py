@@ -202,8 +202,8 @@ class Cluster:
 
                 await asyncio.to_thread(_preload_vllm)  # the scheduler's loop keeps serving meanwhile
                 factory = VllmEngine
-            cores = os.cpu_count() or 1
-            self.engines = [factory(_on_core(self.engine_settings, i % cores)) for i in range(self.num_workers)]
+            cores = sorted(os.sched_getaffinity(0))  # the cores this process may use (a container's cpuset)
+            self.engines = [factory(_on_core(self.engine_settings, cores[i % len(cores)])) for i in range(self.num_workers)]
             started = await asyncio.gather(*(start(i, e) for i, e in enumerate(self.engines)), return_exceptions=True)
         finally:
             tick.cancel()

@@ -93,8 +93,9 @@ class EngineSettings:
     before any of them (vLLM's ``raw_logprobs``). vLLM fixes this per engine; a request that
     names the other mode is not served here (``SamplingParams.logprobs_mode``)."""
     cpu_cores: str = ""
-    """CPU engines: cores its threads are bound to, e.g. "1" or "0-3" ('' = vLLM's default).
-    Several engines on one machine need disjoint cores, or they all bind to the same one."""
+    """CPU engines: cores its model runs on, one thread per core, e.g. "1", "0-3" or "0,2" ('' =
+    unbound: torch's default threads, wherever the OS runs them). Several engines on one machine
+    need disjoint cores."""
     allow_unsupported_vllm: bool = False
     """Start on a vLLM release the worker was not checked against (``compat.SUPPORTED_VLLM``)
     instead of refusing to; logged loudly. The start-up self-checks still run."""
@@ -109,6 +110,7 @@ class EngineSettings:
     reloads work on this vLLM. For debugging only."""
 
     def __post_init__(self) -> None:
+        cpu_core_ids(self.cpu_cores)
         if not (math.isfinite(self.draft_token_seconds) and self.draft_token_seconds >= 0):
             raise ValueError(f"draft_token_seconds: must be a finite number >= 0, got {self.draft_token_seconds!r:.40}")
         if self.logprobs_mode not in LOGPROBS_MODES:
@@ -209,13 +211,20 @@ class VllmEngine:
         require_supported_vllm(self.settings.allow_unsupported_vllm)  # before any engine process exists
         _import_vllm()
         from vllm import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
 
         s = self.settings
         try:
             self._expected = await asyncio.to_thread(read_checkpoint, s.model)
         except CheckpointError as exc:  # e.g. a hub model id: new checkpoints are checked on their own
             logger.warning("policy loads will not be checked against the start checkpoint: %s", exc)
+        in_core = _model_in_engine_core(s)
+        cpus = cpu_core_ids(s.cpu_cores) if in_core else ()
+        if missing := sorted(set(cpus) - os.sched_getaffinity(0)):
+            raise ValueError(f"cpu_cores: core(s) {missing} are not available to this process "
+                             f"(available: {sorted(os.sched_getaffinity(0))})")
+        if in_core:
+            logger.info("vLLM engine: the model runs in the engine-core process, %s",
+                        f"on cores {list(cpus)}" if cpus else "on no cores in particular (cpu_cores unset)")
         spec = None
         if s.num_speculative_tokens > 0:
             spec = {"method": "custom_class", "model": PROPOSER,
@@ -234,7 +243,7 @@ class VllmEngine:
                                               "draft_token_seconds": s.draft_token_seconds,
                                               "makespan": s.draft_for_makespan},
                                # engine processes die with this one; their core binding is theirs alone
-                               "bubblespec_lifeline": Lifeline(environ=_child_environ(s))},
+                               "bubblespec_lifeline": Lifeline(environ=_child_environ(s), cpus=cpus)},
             enable_prefix_caching=True,
             weight_transfer_config=({"backend": s.weight_transfer_backend} if s.weight_transfer_backend else None),
         )
@@ -242,7 +251,7 @@ class VllmEngine:
         # Several engines start at once (nothing per-engine goes through this process's environment);
         # each from a lifeline thread that lives as long as the process: the kernel ties the engine's life to it.
         with _SPAWN_METHOD():
-            self._llm = await asyncio.get_running_loop().run_in_executor(STARTER, AsyncLLM.from_engine_args, args)
+            self._llm = await asyncio.get_running_loop().run_in_executor(STARTER, _build_engine, args, in_core)
         self._tokenizer = self._llm.tokenizer
         vocab = self._llm.model_config.get_vocab_size()
         if spec is not None:
@@ -400,6 +409,46 @@ def _resolve_dtype(dtype: str, model: str) -> str:
     except (OSError, ValueError):
         return dtype
     return str(config.get("dtype") or config.get("torch_dtype") or dtype)
+
+
+def cpu_core_ids(text: str) -> tuple[int, ...]:
+    """``EngineSettings.cpu_cores`` as core ids: "0-2,5" -> (0, 1, 2, 5); '' -> ()."""
+    ids: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, sep, hi = part.partition("-")
+        if not (lo.isdigit() and (hi.isdigit() if sep else True)) or (sep and int(hi) < int(lo)):
+            raise ValueError(f"cpu_cores: expected core ids and ranges like '1', '0-3' or '0,2', got {text!r:.40}")
+        ids.extend(range(int(lo), int(hi if sep else lo) + 1))
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"cpu_cores: a core is named twice in {text!r:.40}")
+    return tuple(ids)
+
+
+def _model_in_engine_core(s: EngineSettings) -> bool:
+    """Run the model in the engine-core process (vLLM's ``uni`` executor, its layout for one
+    device on a GPU) rather than in a model-worker process of its own. vLLM's CPU platform
+    always starts a worker process (``mp``), so that OpenMP's environment can be set before it
+    starts; with it, the engine core waits for every forward pass by spinning on shared memory
+    (vLLM's ``SpinCondition``, ~90 % of a core), so one busy engine keeps ~1.85 cores busy, and
+    each pass crosses two processes. In the engine core, one engine is one busy thread; the
+    ``Lifeline`` binds it to ``cpu_cores`` instead (docs/BENCHMARKS.md: a pass 2.0-2.3x faster
+    with two engines on two cores). Only with one worker (``tensor_parallel_size`` 1)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu() and s.tensor_parallel_size == 1
+
+
+def _build_engine(args, in_core: bool):
+    """``AsyncLLM.from_engine_args``, with the model in the engine core where ``in_core``."""
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    if not in_core:
+        return AsyncLLM.from_engine_args(args)
+    config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+    config.parallel_config.distributed_executor_backend = "uni"  # after the CPU platform's switch to "mp"
+    return AsyncLLM.from_vllm_config(config, enable_log_requests=args.enable_log_requests,
+                                     disable_log_stats=args.disable_log_stats)
 
 
 def _child_environ(s: EngineSettings) -> dict[str, str]:

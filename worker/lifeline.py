@@ -1,7 +1,8 @@
 """Engine processes die with the process that owns them, whatever kills it.
 
 vLLM 0.32 starts its engine core with multiprocessing ``spawn`` (a fresh interpreter), and the
-engine core starts its model-worker processes the same way. The model workers watch the engine
+engine core starts its model-worker processes, where it has any, the same way (a CPU engine with
+one worker has none: the model runs in the engine core, ``worker/engine.py``). The model workers watch the engine
 core (a death pipe), but nothing makes the engine core watch *its* parent: a worker or
 ``bubblespec up`` process killed by SIGKILL or the OOM killer, or one that exits before its
 engines finished shutting down, left the engine core and its model workers running under
@@ -24,7 +25,11 @@ On other systems ``_arm`` does nothing.
 A ``Lifeline`` also carries environment variables for the child (``Lifeline(environ=...)``),
 set there at the same early moment: per-engine settings that vLLM reads from the engine
 process's environment (the CPU cores it binds to) without changing this process's
-environment, so engines with different settings can start concurrently.
+environment, so engines with different settings can start concurrently. And, for a CPU engine
+whose model runs in the engine core itself (``Lifeline(cpus=...)``, ``worker/engine.py``), the
+cores that process runs on, with one model thread per core: vLLM sets that up only for a
+model-worker process, through OpenMP's environment before it starts; in the engine core OpenMP
+is loaded already (with torch, before the config is unpickled), so ``_bind`` makes the calls.
 
 ``exit_after(seconds)`` bounds a graceful shutdown: if draining has not finished by then, the
 process exits, and the lifeline takes its engines with it.
@@ -60,14 +65,25 @@ def _set_parent_death_signal(sig: int) -> bool:
     return True
 
 
-def _arm(parent_pid: int, items: dict, environ: dict[str, str] | None = None) -> Lifeline:
-    """Runs where a ``Lifeline`` is unpickled: in a child process, tie its life to the parent
-    and set the environment variables it carries."""
+def _bind(cpus: tuple[int, ...]) -> None:
+    """This process's threads from now on run on ``cpus``, and torch's intra-op pool has one
+    thread per core (vLLM's CPU worker blocks ``torch.set_num_threads`` once it starts)."""
+    import torch
+
+    os.sched_setaffinity(0, cpus)  # the calling thread; threads it starts later inherit it
+    torch.set_num_threads(len(cpus))
+
+
+def _arm(parent_pid: int, items: dict, environ: dict[str, str] | None = None, cpus: tuple[int, ...] = ()) -> Lifeline:
+    """Runs where a ``Lifeline`` is unpickled: in a child process, tie its life to the parent,
+    set the environment variables it carries and bind it to its cores."""
     if os.getpid() != parent_pid:
         if _set_parent_death_signal(signal.SIGKILL) and os.getppid() != parent_pid:
             os.kill(os.getpid(), signal.SIGKILL)  # the parent died before the signal was armed
         os.environ.update(environ or {})
-    return Lifeline(items, environ=environ)
+        if cpus:
+            _bind(cpus)
+    return Lifeline(items, environ=environ, cpus=cpus)
 
 
 class Lifeline(dict):
@@ -76,14 +92,16 @@ class Lifeline(dict):
     there and sets ``environ`` in that process's environment (``_arm``). A copy made in the
     same process (deepcopy) arms and sets nothing."""
 
-    def __init__(self, *args, environ: dict[str, str] | None = None, **kwargs):
+    def __init__(self, *args, environ: dict[str, str] | None = None, cpus: tuple[int, ...] = (), **kwargs):
         super().__init__(*args, **kwargs)
         self.environ = dict(environ or {})
         """Environment variables for the child processes (not part of the dict: the config
         hash stays the same whatever they are)."""
+        self.cpus = tuple(cpus)
+        """Cores the child processes run on, one torch thread per core; () = left as they are."""
 
     def __reduce__(self):
-        return _arm, (os.getpid(), dict(self), self.environ)
+        return _arm, (os.getpid(), dict(self), self.environ, self.cpus)
 
 
 def exit_after(seconds: float, what: str = "shutdown") -> threading.Timer:

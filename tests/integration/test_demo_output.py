@@ -35,9 +35,10 @@ def test_demo_tells_a_short_story_and_logs_vllm_to_a_file(tmp_path):
     log = Path(found.group(1))
     assert log.parent == tmp_path / ".cache" / "bubblespec" / "logs"
     text = log.read_text(errors="replace")
-    # vLLM's loggers in this process and in both engine processes; C++/tqdm output of the model workers
+    # vLLM's loggers in this process and in both engine processes; C++/tqdm output of the engines
     for marker in ("(MainProcess pid=", "(EngineCore pid=", "Initializing a V1 LLM engine",
-                   "VLLM_CPU_OMP_THREADS_BIND='0'", "VLLM_CPU_OMP_THREADS_BIND='1'",  # each engine its own core
+                   "the model runs in the engine-core process, on cores [0]",  # each engine its own core
+                   "the model runs in the engine-core process, on cores [1]",
                    "Loading safetensors checkpoint shards", "[shutdown]"):
         assert marker in text, marker
     for noise in ("(EngineCore", "(MainProcess", "(Worker", "Triton", "NUMA", "RotaryEmbedding", "safetensors",

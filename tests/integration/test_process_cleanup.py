@@ -1,11 +1,12 @@
 """Nothing outlives its parent: vLLM engine processes die with the process that owns them.
 
 Real processes: ``bubblespec up --workers 1`` and ``bubblespec worker``, each with a real vLLM
-CPU engine (an engine-core process and a model-worker process under it). The test collects
+CPU engine (an engine-core process that runs the model itself: ``worker/engine.py``,
+``_model_in_engine_core``). The test collects
 every descendant pid while the owner runs, kills the owner only (never its group), and waits
 until each descendant is gone (a zombie counts as gone: it holds no memory). Before the
-lifeline (``worker/lifeline.py``) the engine core and its model worker stayed alive under init
-after the owner's SIGKILL, about 1 GB each.
+lifeline (``worker/lifeline.py``) the engine core (and the model-worker process it then had)
+stayed alive under init after the owner's SIGKILL, about 1 GB each.
 
 Whatever happens, the test kills everything it started (owner and collected descendants).
 Run it through ``/work/tools/engine-slot`` like every engine test.
@@ -96,10 +97,15 @@ def assert_all_gone(procs: list[psutil.Process]) -> None:
     assert not left, f"still running {GONE_TIMEOUT:.0f}s after their owner died: {left}"
 
 
-def engine_descendants(o: Owner) -> list[psutil.Process]:
+def engine_descendants(o: Owner, cores: list[int] | None = None) -> list[psutil.Process]:
+    """The owner's descendants: one vLLM engine core, running the model itself (no model-worker
+    process), on ``cores`` where given."""
     procs = o.descendants()
     names = " | ".join(" ".join(p.cmdline()) for p in procs if p.is_running())
-    assert "EngineCore" in names and "Worker" in names, f"expected a vLLM engine core and model worker, saw: {names}"
+    cores_of = [p.cpu_affinity() for p in procs if "EngineCore" in " ".join(p.cmdline())]
+    assert len(cores_of) == 1 and "Worker" not in names, f"expected one vLLM engine core and no model worker, saw: {names}"
+    if cores is not None:
+        assert cores_of == [cores], f"engine core on cores {cores_of[0]}, expected {cores}"
     return procs
 
 
@@ -112,7 +118,7 @@ def test_up_killed_soon_after_sigterm_leaves_no_engine_process(tiny_model, tmp_p
     """The reported case: SIGTERM, then SIGKILL a second later, before the engines shut down."""
     with owner(up_args(tiny_model), tmp_path / "up.log") as o:
         o.wait_for("BubbleSpec up:")
-        procs = engine_descendants(o)
+        procs = engine_descendants(o, cores=[0])  # `up` puts engine i on core i
         o.proc.send_signal(signal.SIGTERM)
         time.sleep(1.0)  # the scenario, not a synchronisation: the drain has begun, not ended
         o.proc.kill()

@@ -1,10 +1,11 @@
-"""Two ``VllmEngine``s start at the same time: vLLM's ``AsyncLLM.from_engine_args`` (tens of
+"""Two ``VllmEngine``s start at the same time: the engine build (vLLM's config, then ``AsyncLLM``; tens of
 seconds per engine: the engine process loads, compiles and profiles the model) runs for both at
 once, each from its own long-lived lifeline thread, and each engine's core binding travels in
 its own ``Lifeline`` rather than through this process's shared environment.
 
-vLLM's ``from_engine_args`` is replaced by a stand-in that waits for the other start (a
-barrier): starts that ran one after the other would never meet there.
+The engine build (``engine._build_engine``: vLLM's config, then ``AsyncLLM``) is replaced by a
+stand-in that waits for the other start (a barrier): starts that ran one after the other would
+never meet there.
 """
 
 from __future__ import annotations
@@ -15,32 +16,34 @@ import threading
 from types import SimpleNamespace
 
 import pytest
+from bubblespec.worker import engine
 from bubblespec.worker.engine import EngineSettings, VllmEngine
 
 
 async def test_two_engines_build_at_once_each_with_its_own_core_binding(monkeypatch, tmp_path):
     pytest.importorskip("vllm")
-    from vllm.v1.engine.async_llm import AsyncLLM
-
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     both_building = threading.Barrier(2, timeout=60)
     seen = []
 
-    def from_engine_args(args):
+    def build(args, in_core):
+        lifeline = args.additional_config["bubblespec_lifeline"]
         seen.append({"method": os.environ.get("VLLM_WORKER_MULTIPROC_METHOD"),
                      "bind_here": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
-                     "bind_there": getattr(args.additional_config["bubblespec_lifeline"], "environ", {}),
+                     "bind_there": lifeline.environ, "cpus": lifeline.cpus, "in_core": in_core,
                      "thread": threading.current_thread().name})
         both_building.wait()  # BrokenBarrierError if the other start cannot begin until this one ends
         return SimpleNamespace(tokenizer=None, errored=False, shutdown=lambda: None,
                                model_config=SimpleNamespace(get_vocab_size=lambda: 128))
 
-    monkeypatch.setattr(AsyncLLM, "from_engine_args", staticmethod(from_engine_args))
+    monkeypatch.setattr(engine, "_build_engine", build)
     engines = [VllmEngine(EngineSettings(model=str(tmp_path / "model"), num_speculative_tokens=0, cpu_cores=core))
                for core in ("0", "1")]
     await asyncio.gather(*(e.start() for e in engines))
     assert sorted(s["bind_there"]["VLLM_CPU_OMP_THREADS_BIND"] for s in seen) == ["0", "1"]
+    assert all(s["in_core"] for s in seen)  # vLLM's CPU platform, one worker: the model runs in the engine core
+    assert sorted(s["cpus"] for s in seen) == [(0,), (1,)]  # ...bound there by the lifeline
     assert all(s["bind_here"] is None for s in seen)  # nothing per-engine in this process's environment
     assert all(s["method"] == "spawn" for s in seen)  # the lifeline needs spawned engine processes
     assert seen[0]["thread"] != seen[1]["thread"] and all(s["thread"].startswith("bubblespec-engine-start") for s in seen)
@@ -50,16 +53,14 @@ async def test_two_engines_build_at_once_each_with_its_own_core_binding(monkeypa
 
 async def test_an_operator_set_start_method_stays(monkeypatch, tmp_path):
     pytest.importorskip("vllm")
-    from vllm.v1.engine.async_llm import AsyncLLM
-
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "forkserver")
     seen = []
 
-    def from_engine_args(args):
+    def build(args, in_core):
         seen.append(os.environ.get("VLLM_WORKER_MULTIPROC_METHOD"))
         return SimpleNamespace(tokenizer=None, errored=False, shutdown=lambda: None,
                                model_config=SimpleNamespace(get_vocab_size=lambda: 128))
 
-    monkeypatch.setattr(AsyncLLM, "from_engine_args", staticmethod(from_engine_args))
+    monkeypatch.setattr(engine, "_build_engine", build)
     await VllmEngine(EngineSettings(model=str(tmp_path / "model"), num_speculative_tokens=0)).start()
     assert seen == ["forkserver"] and os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "forkserver"

@@ -104,3 +104,31 @@ def test_a_spawned_child_gets_the_lifeline_environment_and_this_process_does_not
     finally:
         p.join(30)
     assert "BUBBLESPEC_LIFELINE_TEST" not in os.environ
+
+
+def _child_binding(config, queue) -> None:
+    import torch
+
+    queue.put((sorted(os.sched_getaffinity(0)), torch.get_num_threads()))
+
+
+@pytest.mark.parametrize("cpus", [(0,), tuple(sorted(os.sched_getaffinity(0)))])
+def test_a_spawned_child_runs_on_the_lifeline_cores_with_a_thread_per_core(cpus):
+    """A CPU engine whose model runs in the engine core: that process is bound to the engine's
+    cores, with one torch thread per core (what vLLM's model-worker process got from OpenMP's
+    environment); this process is not."""
+    import multiprocessing
+
+    before = (os.sched_getaffinity(0), os.environ.copy())
+    lifeline = Lifeline(cpus=cpus)
+    assert json.dumps(lifeline) == "{}" and lifeline == Lifeline()  # the config hash is the same
+    assert copy.deepcopy(lifeline).cpus == cpus
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    p = ctx.Process(target=_child_binding, args=({"bubblespec_lifeline": lifeline}, queue))
+    p.start()
+    try:
+        assert queue.get(timeout=120) == (list(cpus), len(cpus))
+    finally:
+        p.join(30)
+    assert (os.sched_getaffinity(0), os.environ.copy()) == before

@@ -1,0 +1,36 @@
+"""``EngineSettings.cpu_cores``: the cores a CPU engine's model runs on, checked when the settings
+are made (a clear error naming the field) and before any engine process exists."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from bubblespec.worker.engine import EngineSettings, VllmEngine, cpu_core_ids
+
+
+@pytest.mark.parametrize(("text", "ids"), [("", ()), ("1", (1,)), ("0-3", (0, 1, 2, 3)), ("0,2", (0, 2)),
+                                           (" 4 , 0-1 ", (4, 0, 1)), ("7-7", (7,))])
+def test_core_lists_read_as_vllm_writes_them(text, ids):
+    assert cpu_core_ids(text) == ids
+    assert EngineSettings(cpu_cores=text).cpu_cores == text
+
+
+@pytest.mark.parametrize("text", ["a", "-1", "1-", "3-1", "0,,x", "1.5", "0-2,1", "0|1"])
+def test_a_bad_core_list_is_refused_naming_the_field(text):
+    with pytest.raises(ValueError, match="cpu_cores"):
+        EngineSettings(cpu_cores=text)
+
+
+async def test_a_core_this_process_cannot_use_fails_the_start_before_any_engine_process(monkeypatch, tmp_path):
+    pytest.importorskip("vllm")
+    from bubblespec.worker import engine
+
+    built = []
+    monkeypatch.setattr(engine, "_build_engine", lambda args, in_core: built.append(args))
+    missing = max(os.sched_getaffinity(0)) + 1
+    e = VllmEngine(EngineSettings(model=str(tmp_path / "model"), num_speculative_tokens=0, cpu_cores=f"0,{missing}"))
+    with pytest.raises(ValueError, match=rf"cpu_cores: core\(s\) \[{missing}\] are not available"):
+        await e.start()
+    assert built == []
