@@ -34,3 +34,17 @@ async def test_a_core_this_process_cannot_use_fails_the_start_before_any_engine_
     with pytest.raises(ValueError, match=rf"cpu_cores: core\(s\) \[{missing}\] are not available"):
         await e.start()
     assert built == []
+
+
+@pytest.mark.parametrize(("flag", "value", "field"), [("--cpu-cores", "3-1", "cpu_cores"),
+                                                      ("--logprobs-mode", "bogus", "logprobs_mode"),
+                                                      ("--draft-token-seconds", "-1", "draft_token_seconds")])
+def test_a_bad_engine_flag_ends_the_command_with_the_setting_named(flag, value, field, monkeypatch):
+    """No engine, no scheduler dialled: the command ends before either, with one line naming the setting."""
+    from bubblespec.cli import main as cli
+    from bubblespec.worker import agent
+
+    monkeypatch.setattr(agent.WorkerAgent, "__init__", lambda *a, **k: pytest.fail("a worker was built"))
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["worker", "--scheduler", "127.0.0.1:9", flag, value])
+    assert str(exc.value).startswith(f"bubblespec: bad engine flag: {field}:")
