@@ -431,8 +431,8 @@ def _model_in_engine_core(s: EngineSettings) -> bool:
     starts; with it, the engine core waits for every forward pass by spinning on shared memory
     (vLLM's ``SpinCondition``, ~90 % of a core), so one busy engine keeps ~1.85 cores busy, and
     each pass crosses two processes. In the engine core, one engine is one busy thread; the
-    ``Lifeline`` binds it to ``cpu_cores`` instead (docs/BENCHMARKS.md: a pass 2.0-2.3x faster
-    with two engines on two cores). Only with one worker (``tensor_parallel_size`` 1)."""
+    ``Lifeline`` binds it to ``cpu_cores`` instead (docs/BENCHMARKS.md: the bench's baseline step
+    1.8-2.3x shorter with two engines on two cores). Only with one worker (``tensor_parallel_size`` 1)."""
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu() and s.tensor_parallel_size == 1
