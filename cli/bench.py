@@ -80,10 +80,11 @@ class BenchConfig:
             raise ValueError(f"runs must be >= 1, got {self.runs}")
 
 
-def _step_row(arm: str, step: int, r: StepResult) -> dict:
+def _step_row(arm: str, step: int, r: StepResult, process_cpu_seconds: float) -> dict:
     s = r.summary
     return {
         "arm": arm, "step": step, "makespan_seconds": s.makespan_seconds, "completions": s.completions,
+        "process_cpu_seconds": round(process_cpu_seconds, 4),
         "generated_tokens": s.generated_tokens, "forward_passes": s.provenance.forward_passes,
         "forward_passes_per_token": s.forward_passes_per_token,
         "accepted_per_forward_pass": s.provenance.accepted() / max(1, s.provenance.forward_passes),
@@ -141,10 +142,11 @@ async def _run_arm(cluster, client, arm: Arm, prompts, weights, cfg: BenchConfig
             await asyncio.sleep(cfg.train_seconds)  # the trainer computes rewards and gradients
         await client.update_policy(version, weights[s])
         ahead = [p for t in range(s + 1, s + 1 + cfg.lookahead_steps) if t < len(prompts) for p in prompts[t]]
+        cpu = time.process_time()  # this process: scheduler, agents, trainer, the engines' vLLM front ends
         result = await client.generate(f"bench-{arm.name.replace('+', '-')}-{version}", prompts[s], sampling, n=cfg.samples,
                                        policy_version=version, lookahead=ahead, policy=arm.policy,
                                        drafts=arm.drafts, straggler_watch=arm.straggler_watch)
-        rows.append(_step_row(arm.name, s + 1, result))
+        rows.append(_step_row(arm.name, s + 1, result, time.process_time() - cpu))
         _worker_done_times(cluster.scheduler.core, result.summary.step_id, rows[-1]["per_worker"])
         outputs.append([c.token_ids for c in result.completions])
         say(f"  {arm.name:>13} step {s + 1}: {result.summary.makespan_seconds:6.2f}s "

@@ -245,6 +245,10 @@ class VllmEngine:
                                # engine processes die with this one; their core binding is theirs alone
                                "bubblespec_lifeline": Lifeline(environ=_child_environ(s), cpus=cpus)},
             enable_prefix_caching=True,
+            # vLLM's own stats go to its log and to the process-wide Prometheus registry, which nothing
+            # serves here (the worker's metrics have their own registry, worker/metrics.py); recording
+            # them was ~6% of a bench worker process's CPU, beside the engines on the same cores
+            disable_log_stats=True,
             weight_transfer_config=({"backend": s.weight_transfer_backend} if s.weight_transfer_backend else None),
         )
         # Engine start-up blocks for tens of seconds: keep the event loop (heartbeats) running.
