@@ -63,7 +63,8 @@ def _engine_flags(p: argparse.ArgumentParser, speculative_tokens: int = 8, draft
     _add(p, "kv-cache-memory-bytes", 256 * 2**20, "KV cache size for CPU engines")
     _add(p, "dtype", "auto", "weights dtype (auto: the checkpoint's on CPU engines, vLLM's choice on GPUs)")
     _add(p, "cpu-cores", "", "CPU engines: cores the model runs on, one thread per core, e.g. 1, 0-3 or 0,2 ('' = unbound, "
-         "torch's default threads: give each engine of a shared host its own; up, demo and bench put engine i on core i)")
+         "torch's default threads: give each engine of a shared host its own; up, demo and bench put engine i on core i; "
+         "with --tensor-parallel-size N, N lists separated by |)")
     _add(p, "logprobs-mode", "processed", "returned logprobs: processed (temperature/top-k/top-p applied) | raw")
     _add(p, "self-suffix-drafting", False, "where no stored or sibling draft continues a request, draft from its own "
          "prompt + output (draft source 'suffix'; exact either way)")

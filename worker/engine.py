@@ -95,7 +95,8 @@ class EngineSettings:
     cpu_cores: str = ""
     """CPU engines: cores its model runs on, one thread per core, e.g. "1", "0-3" or "0,2" ('' =
     unbound: torch's default threads, wherever the OS runs them). Several engines on one machine
-    need disjoint cores."""
+    need disjoint cores. With tensor parallelism, one list per worker separated by "|", as
+    vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` reads them (those workers keep their own processes)."""
     allow_unsupported_vllm: bool = False
     """Start on a vLLM release the worker was not checked against (``compat.SUPPORTED_VLLM``)
     instead of refusing to; logged loudly. The start-up self-checks still run."""
@@ -111,6 +112,9 @@ class EngineSettings:
 
     def __post_init__(self) -> None:
         cpu_core_ids(self.cpu_cores)
+        if self.cpu_cores and self.cpu_cores.count("|") + 1 != self.tensor_parallel_size:
+            raise ValueError(f"cpu_cores: one core list per tensor-parallel worker ({self.tensor_parallel_size}), "
+                             f"separated by '|', got {self.cpu_cores!r:.40}")
         if not (math.isfinite(self.draft_token_seconds) and self.draft_token_seconds >= 0):
             raise ValueError(f"draft_token_seconds: must be a finite number >= 0, got {self.draft_token_seconds!r:.40}")
         if self.logprobs_mode not in LOGPROBS_MODES:
@@ -416,9 +420,11 @@ def _resolve_dtype(dtype: str, model: str) -> str:
 
 
 def cpu_core_ids(text: str) -> tuple[int, ...]:
-    """``EngineSettings.cpu_cores`` as core ids: "0-2,5" -> (0, 1, 2, 5); '' -> ()."""
+    """``EngineSettings.cpu_cores`` as core ids: "0-2,5" -> (0, 1, 2, 5); '' -> (). With tensor
+    parallelism, one list per worker separated by "|" (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``):
+    all of their ids."""
     ids: list[int] = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
+    for part in filter(None, (p.strip() for p in text.replace("|", ",").split(","))):
         lo, sep, hi = part.partition("-")
         if not (lo.isdigit() and (hi.isdigit() if sep else True)) or (sep and int(hi) < int(lo)):
             raise ValueError(f"cpu_cores: expected core ids and ranges like '1', '0-3' or '0,2', got {text!r:.40}")

@@ -23,6 +23,13 @@ def test_a_bad_core_list_is_refused_naming_the_field(text):
         EngineSettings(cpu_cores=text)
 
 
+def test_tensor_parallel_workers_get_a_core_list_each_as_vllm_reads_them():
+    assert EngineSettings(cpu_cores="0-1|2-3", tensor_parallel_size=2).cpu_cores == "0-1|2-3"
+    for text, tp in (("0-1|2-3", 1), ("0-3", 2), ("0|1|2", 2), ("0-1|1-2", 2)):
+        with pytest.raises(ValueError, match="cpu_cores"):
+            EngineSettings(cpu_cores=text, tensor_parallel_size=tp)
+
+
 async def test_a_core_this_process_cannot_use_fails_the_start_before_any_engine_process(monkeypatch, tmp_path):
     pytest.importorskip("vllm")
     from bubblespec.worker import engine

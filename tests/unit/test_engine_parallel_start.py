@@ -32,6 +32,7 @@ async def test_two_engines_build_at_once_each_with_its_own_core_binding(monkeypa
         seen.append({"method": os.environ.get("VLLM_WORKER_MULTIPROC_METHOD"),
                      "bind_here": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
                      "bind_there": lifeline.environ, "cpus": lifeline.cpus, "in_core": in_core,
+                     "vllm_stats": not args.disable_log_stats,
                      "thread": threading.current_thread().name})
         both_building.wait()  # BrokenBarrierError if the other start cannot begin until this one ends
         return SimpleNamespace(tokenizer=None, errored=False, shutdown=lambda: None,
@@ -44,6 +45,7 @@ async def test_two_engines_build_at_once_each_with_its_own_core_binding(monkeypa
     assert sorted(s["bind_there"]["VLLM_CPU_OMP_THREADS_BIND"] for s in seen) == ["0", "1"]
     assert all(s["in_core"] for s in seen)  # vLLM's CPU platform, one worker: the model runs in the engine core
     assert sorted(s["cpus"] for s in seen) == [(0,), (1,)]  # ...bound there by the lifeline
+    assert not any(s["vllm_stats"] for s in seen)  # nothing serves vLLM's own stats here: not recorded
     assert all(s["bind_here"] is None for s in seen)  # nothing per-engine in this process's environment
     assert all(s["method"] == "spawn" for s in seen)  # the lifeline needs spawned engine processes
     assert seen[0]["thread"] != seen[1]["thread"] and all(s["thread"].startswith("bubblespec-engine-start") for s in seen)
