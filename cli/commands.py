@@ -43,20 +43,16 @@ def _engine_settings(a: argparse.Namespace) -> EngineSettings:
     """The engine flags as settings; a bad value ends the command with its message (naming the
     setting), not a traceback."""
     try:
-        return _make_engine_settings(a)
+        return EngineSettings(model=a.model, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
+                              num_speculative_tokens=a.num_speculative_tokens,
+                              tensor_parallel_size=a.tensor_parallel_size, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
+                              dtype=a.dtype, cpu_cores=a.cpu_cores, logprobs_mode=a.logprobs_mode,
+                              self_suffix_drafting=a.self_suffix_drafting,
+                              draft_token_seconds=a.draft_token_seconds, draft_for_makespan=a.draft_for_makespan,
+                              allow_unsupported_vllm=a.allow_unsupported_vllm, self_checks=not a.unsafe_skip_self_checks,
+                              weight_transfer_backend=a.weight_transfer_backend or None)
     except ValueError as exc:
         raise SystemExit(f"bubblespec: bad engine flag: {exc}") from None
-
-
-def _make_engine_settings(a: argparse.Namespace) -> EngineSettings:
-    return EngineSettings(model=a.model, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
-                          num_speculative_tokens=a.num_speculative_tokens,
-                          tensor_parallel_size=a.tensor_parallel_size, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
-                          dtype=a.dtype, cpu_cores=a.cpu_cores, logprobs_mode=a.logprobs_mode,
-                          self_suffix_drafting=a.self_suffix_drafting,
-                          draft_token_seconds=a.draft_token_seconds, draft_for_makespan=a.draft_for_makespan,
-                          allow_unsupported_vllm=a.allow_unsupported_vllm, self_checks=not a.unsafe_skip_self_checks,
-                          weight_transfer_backend=a.weight_transfer_backend or None)
 
 
 def ensure_tiny_model(path: Path = TINY_MODEL_DIR) -> str:
