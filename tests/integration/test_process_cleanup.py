@@ -141,7 +141,7 @@ def test_worker_killed_leaves_no_engine_process(tiny_model, tmp_path):
 def test_up_sigterm_drains_and_exits_within_its_bound(tiny_model, tmp_path):
     """SIGTERM: the process stops its workers and engines and exits cleanly (status 0, so the
     drain finished before ``--shutdown-seconds`` forced it), leaving nothing behind."""
-    with owner(up_args(tiny_model), tmp_path / "up-term.log") as o:
+    with owner([*up_args(tiny_model), "--verbose"], tmp_path / "up-term.log") as o:
         o.wait_for("BubbleSpec up:")
         procs = engine_descendants(o)
         o.proc.send_signal(signal.SIGTERM)
@@ -151,3 +151,6 @@ def test_up_sigterm_drains_and_exits_within_its_bound(tiny_model, tmp_path):
             pytest.fail(f"still running {SHUTDOWN_SECONDS + 30}s after SIGTERM:\n{o.text()[-4000:]}")
         assert rc == 0, f"exit status {rc}:\n{o.text()[-4000:]}"
         assert_all_gone(procs)
+    # a normal shutdown logs no error (vLLM's output is shown: --verbose; its lines name the engine core)
+    text = o.text()
+    assert "EngineCore" in text and "ERROR" not in text, text[-4000:]

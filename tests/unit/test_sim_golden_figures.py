@@ -13,11 +13,15 @@ from dataclasses import replace
 
 import pytest
 
-from bubblespec.bench.sim.costs import CPU_TINY, GPU_H100_7B
+from bubblespec.bench.sim.costs import GPU_H100_7B, CostProfile
 from bubblespec.bench.sim.simulator import SimSettings, simulate
 from bubblespec.bench.sim.workload import AcceptanceModel
 from bubblespec.client.types import Provenance, SourceStats
 from bubblespec.scheduler.core.state import _total
+
+# The cpu-tiny calibration these figures were simulated with (2026-11-22), pinned here: the golden
+# figures check the simulator's arithmetic, and a new calibration of CPU_TINY must not move them.
+CPU_TINY_2026_11_22 = CostProfile("cpu-tiny-2026-11-22", 5.35e-3, 1.47e-4, 6.24e-5, 2.32e-5)
 
 CASES = {
     "queue+drafts": dict(policy="queue", workers=24, requests_per_step=1536, steps=3, profile=GPU_H100_7B,
@@ -26,7 +30,8 @@ CASES = {
     "longest-first+drafts, fixed rule": dict(policy="longest-first", workers=12, requests_per_step=768, steps=3,
                                              profile=GPU_H100_7B, drafting=True,
                                              acceptance=replace(AcceptanceModel(), paying=False, max_draft_tokens=8)),
-    "queue+drafts, suffix, gap, tail": dict(policy="queue", workers=16, requests_per_step=1024, steps=3, profile=CPU_TINY,
+    "queue+drafts, suffix, gap, tail": dict(policy="queue", workers=16, requests_per_step=1024, steps=3,
+                                            profile=CPU_TINY_2026_11_22,
                                             drafting=True, acceptance=replace(AcceptanceModel(), suffix=0.5),
                                             settings=SimSettings(train_seconds=5.0, tail_requests=2)),
 }

@@ -12,7 +12,7 @@ from bubblespec.scheduler.core.drafting import paying_draft_tokens
 from bubblespec.worker.proposer import BubbleSpecProposer
 from bubblespec.worker.tail_drafts import makespan_draft_tokens
 
-CPU_TINY_DRAFT_TOKEN = 6.24e-5  # bench/sim/costs.py CPU_TINY.per_draft_token_seconds (measured here)
+CPU_TINY_DRAFT_TOKEN = 6.24e-5  # a draft token of the bench's model, by the 2026-11-22 calibration (bench/sim/costs.py)
 
 
 def modelled_seconds(lengths, accept, k, pass_seconds, c) -> float:

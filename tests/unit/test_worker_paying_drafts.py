@@ -17,7 +17,7 @@ from bubblespec.worker.draft_index import DraftLength, RequestDrafter, StepRate,
 from bubblespec.worker.engine import EngineSettings
 from bubblespec.worker.proposer import BubbleSpecProposer
 
-CPU_TINY_DRAFT_TOKEN = 6.24e-5  # bench/sim/costs.py CPU_TINY.per_draft_token_seconds (measured here)
+CPU_TINY_DRAFT_TOKEN = 6.24e-5  # a draft token of the bench's model, by the 2026-11-22 calibration (bench/sim/costs.py)
 
 
 def _acceptance_rule(rule: DraftLength, accept: float, steps: int, cap: int) -> int:
@@ -157,7 +157,7 @@ def test_the_proposer_stops_drafting_in_a_compute_bound_batch() -> None:
 
 
 def test_the_proposer_drafts_deep_on_a_memory_bound_engine() -> None:
-    # one request, 5 ms a pass, a draft token 62 us (CPU_TINY): drafts reach num_speculative_tokens
+    # one request, 5 ms a pass, a draft token 62 us (cpu-tiny, 2026-11-22): drafts reach num_speculative_tokens
     paying = FakeEngine(1, 32, 0.005, CPU_TINY_DRAFT_TOKEN, cost=CPU_TINY_DRAFT_TOKEN)
     old = FakeEngine(1, 32, 0.005, None, cost=CPU_TINY_DRAFT_TOKEN)
     lengths = [(paying.step()[0], old.step()[0]) for _ in range(6)]
