@@ -36,6 +36,10 @@ _CONTROL_OPS = {pb.CONTROL_OP_INIT_WEIGHT_TRANSFER: "init_weight_transfer",  # -
                 pb.CONTROL_OP_UPDATE_WEIGHTS: "update_weights",
                 pb.CONTROL_OP_FINISH_WEIGHT_UPDATE: "finish_weight_update",
                 pb.CONTROL_OP_RESET_PREFIX_CACHE: "reset_prefix_cache"}
+ASSIGNMENT_STREAM_TOKENS = 16
+"""An assignment's progress comes from the engine every 16 tokens (``EngineRequest.stream_tokens``):
+its progress reports go out every ``progress_seconds`` anyway, and an aborted assignment keeps
+nothing. Draft jobs stream every token: a preempted job keeps the tokens it has received."""
 _TRANSFERRED = "weight-transfer:"  # weights path of a version a trainer pushed by weight transfer: no directory
 
 
@@ -346,7 +350,7 @@ class WorkerAgent:
             prompt = tuple(a.prompt_token_ids[:])  # a slice first: one C loop, not one call per token
             drafts = await self._drafts_for(prompt) if a.use_drafts else ()
             request = EngineRequest(key, prompt, cv.sampling_from_pb(a.sampling), drafts, a.use_drafts,
-                                    predicted_tokens=a.predicted_tokens)
+                                    predicted_tokens=a.predicted_tokens, stream_tokens=ASSIGNMENT_STREAM_TOKENS)
             loaded = self.version  # the weights that generate it (stamped on the completion)
             last_report = time.monotonic()
             final = None

@@ -144,6 +144,10 @@ class EngineRequest:
     predicted_tokens: float = 0.0
     """The scheduler's predicted response length (0: none): the proposer's batch plan counts
     a request no draft continues by it (``tail_drafts``). Proposals only: exact either way."""
+    stream_tokens: int = 1
+    """Tokens per progress output (vLLM's ``stream_interval``); the first and the final output
+    come as they are either way. The engine's frontend then builds, queues and hands this
+    process one output per ``stream_tokens`` tokens instead of one per engine step."""
 
 
 @dataclass(frozen=True)
@@ -288,7 +292,7 @@ class VllmEngine:
             stop_token_ids=list(sp.stop_token_ids) or None, seed=sp.seed,
             ignore_eos=sp.ignore_eos, logprobs=None if request.draft_job else 0,
             detokenize=not request.draft_job or bool(sp.stop),
-            output_kind=RequestOutputKind.DELTA,
+            output_kind=RequestOutputKind.DELTA, stream_interval=request.stream_tokens if request.stream_tokens > 1 else None,
             extra_args={"bubblespec": {"key": request.key, "drafts": drafts,
                                        "enabled": request.use_drafts, "predicted": request.predicted_tokens}},
         )
