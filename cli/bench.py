@@ -112,8 +112,9 @@ def _worker_done_times(core, step_id: str, per_worker: dict) -> None:
 
 def _per_worker(r: StepResult) -> dict:
     """Per worker: requests, generated tokens, forward passes of its requests (summed per
-    request), and its longest response with that response's forward passes and accepted draft
-    tokens by source: where a step's tail was, how even the split, how far drafts carried it."""
+    request), and its longest response with that response's forward passes and drafted and
+    accepted draft tokens by source: where a step's tail was, how even the split, how far drafts
+    carried it (few drafted: the draft was short; many drafted, few accepted: it diverged)."""
     out: dict[str, dict] = {}
     for c in r.completions:
         w = out.setdefault(c.worker_id, {"requests": 0, "tokens": 0, "longest": 0, "forward_passes": 0})
@@ -124,6 +125,7 @@ def _per_worker(r: StepResult) -> dict:
             w["longest"] = len(c.token_ids)
             w["longest_forward_passes"] = c.provenance.forward_passes
             w["longest_accepted"] = {x.source: x.accepted_tokens for x in c.provenance.sources if x.accepted_tokens}
+            w["longest_drafted"] = {x.source: x.drafted_tokens for x in c.provenance.sources if x.drafted_tokens}
     return dict(sorted(out.items()))
 
 

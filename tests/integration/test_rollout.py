@@ -9,6 +9,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import grpc
 import pytest
@@ -110,12 +112,21 @@ async def test_worker_killed_mid_step_loses_and_duplicates_nothing(cluster, tiny
         sampling = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
         req = generate_request("killed", ids, sampling, n=2, policy=SchedulingPolicy.STATIC,
                                policy_version=version(cluster))
-        task = asyncio.create_task(raw_generate(cluster.target, req))
-        while not core.workers.get("doomed") or not core.workers["doomed"].running:
-            await asyncio.sleep(0.02)
-        await asyncio.sleep(0.3)
-        os.killpg(proc.pid, signal.SIGKILL)
-        msgs = await asyncio.wait_for(task, 600)
+        # The kill is timed by a thread, not by this event loop: the loop also runs the shared
+        # workers' engine frontends, and under load it once woke so late that the doomed worker
+        # had finished its share (nothing to re-queue). Reading the core's state from the thread
+        # is a read of a dict under the GIL.
+        def kill_mid_step() -> None:
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline and not (core.workers.get("doomed") and core.workers["doomed"].running):
+                time.sleep(0.01)
+            time.sleep(0.3)
+            os.killpg(proc.pid, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_mid_step, daemon=True)
+        killer.start()
+        msgs = await asyncio.wait_for(raw_generate(cluster.target, req), 600)
+        await asyncio.to_thread(killer.join, 5)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
