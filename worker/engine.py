@@ -227,9 +227,10 @@ class VllmEngine:
             logger.warning("policy loads will not be checked against the start checkpoint: %s", exc)
         in_core = _model_in_engine_core(s)
         cpus = cpu_core_ids(s.cpu_cores) if in_core else ()
-        if missing := sorted(set(cpus) - os.sched_getaffinity(0)):
+        available = os.sched_getaffinity(0)
+        if missing := sorted(set(cpus) - available):
             raise ValueError(f"cpu_cores: core(s) {missing} are not available to this process "
-                             f"(available: {sorted(os.sched_getaffinity(0))})")
+                             f"(available: {sorted(available)})")
         if in_core:
             logger.info("vLLM engine: the model runs in the engine-core process, %s",
                         f"on cores {list(cpus)}" if cpus else "on no cores in particular (cpu_cores unset)")
