@@ -22,7 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bubblespec.client import AsyncRolloutClient, SamplingParams, SchedulingPolicy, StepResult
@@ -70,6 +70,10 @@ class BenchConfig:
     """Draft jobs an idle worker runs while the step's other workers are still busy (the
     scheduler's ``max_draft_jobs_during_step``; -1 = its default, 16, the same width as after
     the step). Measured with 0, 2 and 16 on this machine (docs/BENCHMARKS.md)."""
+    draft_jobs_beside_requests: int = -1
+    """Draft jobs a busy worker runs beside its requests (the scheduler's
+    ``max_draft_jobs_beside_requests``; -1 = its default, 4). Measured with 0, 2, 4, 8 and 16 on
+    this machine (docs/BENCHMARKS.md)."""
     seed: int = 0
     runs: int = 1
     """Times every arm runs (on the same engines, arm order rotated per run); the table gives
@@ -309,7 +313,8 @@ def _config(args) -> BenchConfig:
     return BenchConfig(steps=3 if args.quick else args.steps, prompts=16 if args.quick else args.prompts,
                        samples=args.samples, max_tokens=args.max_tokens, lookahead_steps=args.lookahead_steps,
                        train_seconds=args.train_seconds, update_scale=args.update_scale, seed=args.seed,
-                       draft_jobs_during_step=args.draft_jobs_during_step, runs=args.runs)
+                       draft_jobs_during_step=args.draft_jobs_during_step,
+                       draft_jobs_beside_requests=args.draft_jobs_beside_requests, runs=args.runs)
 
 
 def _tell_results(say, report: dict, cfg: BenchConfig) -> None:
@@ -343,6 +348,8 @@ def main(args) -> int:
         args.model = args.model or await workload_model(story.say)
         _tell_start(story, args)
         core = CoreSettings(max_draft_jobs_during_step=None if cfg.draft_jobs_during_step < 0 else cfg.draft_jobs_during_step)
+        if cfg.draft_jobs_beside_requests >= 0:
+            core = replace(core, max_draft_jobs_beside_requests=cfg.draft_jobs_beside_requests)
         cluster = Cluster(SchedulerSettings(host="127.0.0.1", grpc_port=0, http_port=0, tokenizer=args.model, core=core),
                           _engine_settings(args), args.workers, progress=story.say)
         await cluster.start()

@@ -143,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(bench, "seed", 0, "workload seed")
     _add(bench, "draft-jobs-during-step", -1, "draft jobs per idle worker while others still run the step "
                                              "(-1 = the scheduler's default, 16; full width after the step)")
+    _add(bench, "draft-jobs-beside-requests", -1, "draft jobs per busy worker beside its requests, for the "
+                                                  "upcoming prompts predicted longest (-1 = the scheduler's default, 4)")
     _add(bench, "runs", 1, "times every arm runs on the same engines (arm order rotated per run); "
          "the table gives each run's speedup and their median")
     _add(bench, "json", "", "write the report here")

@@ -22,6 +22,7 @@ from bubblespec.bench.sim.attribution import format_tail
 from bubblespec.bench.sim.costs import PROFILES
 from bubblespec.bench.sim.simulator import SimResult, SimSettings, simulate
 from bubblespec.bench.sim.workload import AcceptanceModel, LengthModel, Workload
+from bubblespec.scheduler.core.state import CoreSettings
 
 __all__ = ["format_table", "main"]
 
@@ -71,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
                         "(DraftLength.min_accept_prob)")
     p.add_argument("--train-seconds", type=float, default=0.0,
                    help="simulated time between steps (reward + training); idle workers draft through it")
+    p.add_argument("--draft-jobs-beside-requests", type=int, default=CoreSettings.max_draft_jobs_beside_requests,
+                   help="draft jobs a busy worker runs beside its requests, for the upcoming prompts predicted "
+                        "longest (CoreSettings.max_draft_jobs_beside_requests; 0: drafting only in bubbles and gaps)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (lengths, acceptance); every policy sees the same")
     p.add_argument("--seeds", type=int, default=1,
                    help="run seeds --seed .. --seed+N-1; a row shows medians over them and each seed's speedup")
@@ -158,7 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          max_draft_tokens=args.max_draft_tokens, token_budget=args.draft_token_budget,
                          min_accept_prob=args.min_accept_prob)
     settings = SimSettings(capacity=args.capacity, samples=args.samples, train_seconds=args.train_seconds,
-                           tail_requests=max(0, args.tail))
+                           tail_requests=max(0, args.tail),
+                           core=CoreSettings(max_draft_jobs_beside_requests=args.draft_jobs_beside_requests))
     print(f"profile {profile.name} ({profile.source}); requests/step {args.requests}, {args.samples} samples/prompt, "
           f"capacity {args.capacity}, {args.steps} steps, seeds {args.seed}..{args.seed + max(1, args.seeds) - 1}",
           flush=True)

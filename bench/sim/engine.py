@@ -1,8 +1,8 @@
 """``SimulatedEngine``: one simulated worker's continuous batch (not vLLM; a model of it).
 
-A simulated engine runs either the requests assigned to it or, when it has none, its draft
-jobs (low-priority work: a request arriving preempts every draft job at once, and the partial
-draft is kept, as the real worker agent does). Every forward pass over the batch costs
+A simulated engine runs the requests assigned to it and its draft jobs, in one batch (the
+core stops the jobs it does not keep beside requests before it assigns one; a stopped job's
+partial draft is kept, as the real worker agent does). Every forward pass over the batch costs
 ``CostProfile.step_seconds(batch, draft tokens, prefill)`` and advances every member by
 ``1 + E[accepted drafts]`` tokens: drafts only while the member has one (a ``future`` or
 ``history`` draft of its prompt that has not run out), otherwise 1 token.
@@ -98,7 +98,7 @@ class SimulatedEngine:
         self._paying = acceptance.paying  # ``draft_tokens``'s dispatch, resolved once (see ``_rule``)
         self._caps = _cap_table(acceptance)
         self.members: dict[str, Member] = {}
-        self.jobs = False  # True while the batch is made of draft jobs
+        self.job_count = 0  # draft jobs in the batch
         self.passes = 0.0
         self.at = 0.0
         self.debt = 0.0  # seconds of prefill still to pay before passes advance
@@ -127,22 +127,21 @@ class SimulatedEngine:
                 self.passes += (dt - paid) / self.pass_seconds
             self.at = now
 
-    def add(self, now: float, member: Member) -> list[Member]:
-        """Add a request or a draft job; a request preempts all draft jobs (returned)."""
+    @property
+    def jobs(self) -> bool:
+        """The batch is made of draft jobs alone."""
+        return 0 < self.job_count == len(self.members)
+
+    def add(self, now: float, member: Member) -> None:
+        """Add a request or a draft job."""
         if now > self.at:  # advance(now) does nothing otherwise (several calls per event at one ``now``)
             self.advance(now)
-        preempted: list[Member] = []
-        if not member.job and self.jobs:
-            preempted = [m for key in list(self.members) if (m := self.remove(now, key)) is not None]
-        if member.job and self.members and not self.jobs:
-            raise RuntimeError(f"{self.worker_id}: a draft job cannot join a batch of requests")
-        self.jobs = member.job
+        self.job_count += member.job
         member.joined = member.p0 = self.passes
         member.pos0 = 0.0
         self.members[member.key] = member
         self.debt += self.profile.prefill_seconds(member.prompt_tokens)
         self._pending.append(member)
-        return preempted
 
     def remove(self, now: float, key: str) -> Member | None:
         """Take a member out (abort, stop); its position is frozen at ``now``."""
@@ -151,6 +150,7 @@ class SimulatedEngine:
         m = self.members.pop(key, None)
         if m is None:
             return None
+        self.job_count -= m.job
         if not m.started:
             self._pending.remove(m)
         else:
@@ -160,7 +160,7 @@ class SimulatedEngine:
         m.pos0, m.p0, m.k, m.rate = m.position(self.passes), self.passes, 0, 1.0
         m.gen += 1
         if not self.members:
-            self.jobs, self.debt, self.rate_sum, self.draft_tokens = False, 0.0, 0.0, 0
+            self.job_count, self.debt, self.rate_sum, self.draft_tokens = 0, 0.0, 0.0, 0
         return m
 
     def due(self, now: float) -> list[Member]:
@@ -194,6 +194,7 @@ class SimulatedEngine:
             if pos >= length - _EPS:
                 m.pos0 = float(length)
                 del members[m.key]
+                self.job_count -= m.job
                 done.append(m)
             elif m.job or not m.suffix_alpha > 0:
                 # _start_phase(m, drafts=False) without self-drafts, inlined: one token per pass
@@ -207,7 +208,7 @@ class SimulatedEngine:
             else:
                 self._start_phase(m, drafts=False)
         if not self.members:
-            self.jobs, self.debt, self.rate_sum, self.draft_tokens = False, 0.0, 0.0, 0
+            self.job_count, self.debt, self.rate_sum, self.draft_tokens = 0, 0.0, 0.0, 0
         return done
 
     def commit(self, now: float) -> float | None:

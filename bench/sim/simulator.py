@@ -584,8 +584,7 @@ class _Simulation:
         if self.drafting and req.use_drafts and self.acceptance.suffix > 0:
             m.suffix_alpha = self.acceptance.alpha("suffix", p.accept_z[req.sample_index])
         eng = self.engines[a.worker_id]
-        for job in eng.add(self.now, m):
-            self._keep_partial(a.worker_id, job)
+        eng.add(self.now, m)
         m.batch_at_start = len(eng.members)
         self.dirty[a.worker_id] = None
         self._schedule_progress(a.worker_id, m)

@@ -23,7 +23,14 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-from bubblespec.client.types import LOGPROBS_MODES, Completion, SamplingParams, SchedulingPolicy, StepSummary
+from bubblespec.client.types import (
+    LOGPROBS_MODES,
+    Completion,
+    Provenance,
+    SamplingParams,
+    SchedulingPolicy,
+    StepSummary,
+)
 from bubblespec.scheduler.core.balance import Balancer
 from bubblespec.scheduler.core.checks import check_completion
 from bubblespec.scheduler.core.drafting import DraftPlanner, draft_seed, job_sampling
@@ -76,6 +83,13 @@ from bubblespec.scheduler.core.view import CoreView, StepView, step_view
 __all__ = ["CoreSettings", "RequestState", "SchedulerCore", "StepState", "WorkerState", "request_key"]
 
 
+HOLD_SECONDS = 1.0
+"""Longest a request waits for the result of its prompt's stopped draft job (``_stop_arrived``)."""
+BESIDE_MIN_SAVING = 0.2
+"""Share of a completion's tokens from accepted future drafts (a running mean over completions
+offered any) below which no draft job runs beside requests."""
+
+
 @dataclass(frozen=True)
 class CoreSettings:
     """Tunables of the scheduling core."""
@@ -101,6 +115,16 @@ class CoreSettings:
     """The same while a step runs (None = ``max_draft_jobs_per_worker``; 0 = none until the step
     ends). Lower where workers share host CPUs: there an idle worker's drafting takes CPU the
     busy workers' engines use, and slows the step's tail more than its drafts save."""
+    max_draft_jobs_beside_requests: int = 4
+    """Draft jobs a worker keeps running beside its requests, for the upcoming prompts predicted
+    longest (0: a worker drafts only while it has no request). Bubbles are short where a step
+    is balanced, so drafting only in them leaves the next step's long responses with partial
+    drafts; beside the requests a job runs through the whole step, at the cost of one more
+    sequence in the batch (cheap where a pass is memory-bound). A job never takes a request's
+    slot: a request for a full worker stops the least valuable job first. Only while future
+    drafts pay: in recent completions that were offered future draft tokens, accepted ones made
+    at least ``BESIDE_MIN_SAVING`` of the tokens (a worker proposes none where a draft token
+    costs more than it is expected to save, and few where it pays only at a step's tail)."""
     timeline_segments: int = 256
     """Timeline segments kept per worker (for the UI)."""
     max_active_steps: int = 16
@@ -152,6 +176,8 @@ class SchedulerCore(CoreView):
         self._loading: set[str] = set()  # workers the barrier still waits for
         self._jobs = itertools.count()
         self._drafts_wanted = False  # the latest step asked for drafts of its lookahead
+        self._held: dict[tuple[int, ...], list[float]] = {}  # prompt -> [stopped jobs whose result is pending, since]
+        self._future_saving = -1.0  # running share of tokens from accepted future drafts (-1: none seen yet)
         self.pauser = Pauser(self)  # /pause and /resume (core/pause.py)
         self.balancer = Balancer(self)  # which worker takes queued work (core/balance.py)
 
@@ -213,6 +239,7 @@ class SchedulerCore(CoreView):
                 actions.append(RequestsMoved(step.spec.step_id, (key,), requeued=True))
         for prompt in (*w.drafts.values(), *w.stopping.values()):
             self.planner.done(prompt, complete=False)
+            self._release(prompt)
         return actions + self._check_barrier() + self._fill_all()
 
     def _unfinished(self, key: str) -> tuple[StepState | None, RequestState | None]:
@@ -312,12 +339,43 @@ class SchedulerCore(CoreView):
             step.shared.extend(probe_first(order, reqs) if len(order) > room and spec.sampling.n > 1 else order)
         for p in spec.prompts:
             self.planner.forget(p.token_ids)
+        stopped = self._stop_arrived(spec)
         for ids in spec.lookahead:
             self.planner.announce(ids, spec.sampling, "", self.history.predicted(ids))
         self._trim_steps()
         if len(step.completions) == len(reqs):
-            return self._finish(step)
-        return self._fill_all()
+            return stopped + self._finish(step)
+        return stopped + self._fill_all()
+
+    def _stop_arrived(self, spec: StepSpec) -> list[Action]:
+        """Stop the draft jobs of the step's own prompts, which have arrived (a job kept beside
+        requests may still run one), and hold the requests of every prompt with a stopped job
+        whose result is pending until that result comes (``on_draft_result``): the job stores
+        its partial draft before it reports, and a request dispatched earlier would read the
+        draft store without it."""
+        arrived = {p.token_ids for p in spec.prompts}
+        actions: list[Action] = []
+        now = self.clock()
+        for w in self.workers.values():
+            for job in [j for j, p in w.drafts.items() if p in arrived]:
+                actions.append(StopDraft(w.hello.worker_id, job))
+                w.stopping[job] = w.drafts.pop(job)
+            if spec.use_drafts:
+                for prompt in w.stopping.values():
+                    if prompt in arrived:
+                        self._held.setdefault(prompt, [0, now])[0] += 1
+        return actions
+
+    def _release(self, prompt: tuple[int, ...]) -> bool:
+        """One pending draft result of ``prompt`` came (or never will); True if that freed its requests."""
+        held = self._held.get(prompt)
+        if held is None:
+            return False
+        held[0] -= 1
+        if held[0] > 0:
+            return False
+        del self._held[prompt]
+        return True
 
     def announce(self, prompts: list[tuple[int, ...]], sampling: SamplingParams) -> int:
         self.planner.check_room(prompts, self.settings.max_announced_prompts, "prompts")
@@ -329,6 +387,7 @@ class SchedulerCore(CoreView):
         """Drop length history and announced prompts (benchmarks compare arms from scratch)."""
         self.history.clear()
         self.planner = DraftPlanner()
+        self._future_saving = -1.0
 
     def cancel_step(self, step_id: str) -> list[Action]:
         step = self.steps.get(step_id)
@@ -431,11 +490,21 @@ class SchedulerCore(CoreView):
         req.done = True
         step.completions[key] = completion
         self.history.record(req.spec.prompt_token_ids, len(completion.token_ids))
+        if completion.provenance.sources:
+            self._note_future_saving(completion.provenance, len(completion.token_ids))
         actions: list[Action] = [Deliver(step.spec.step_id, completion)]
         if len(step.completions) == len(step.requests):
             actions += self._finish(step)
         actions += self._fill(w)
         return actions
+
+    def _note_future_saving(self, provenance: Provenance, tokens: int) -> None:
+        """Fold the share of a completion's tokens that came from accepted future drafts into
+        the running share that gates draft jobs beside requests (only completions that were
+        offered future draft tokens count; ``CoreSettings.max_draft_jobs_beside_requests``)."""
+        if tokens and provenance.drafted("future"):
+            share = provenance.accepted("future") / tokens
+            self._future_saving = share if self._future_saving < 0 else self._future_saving + 0.1 * (share - self._future_saving)
 
     def _predicted(self, prompt: tuple[int, ...]) -> float:
         """Expected response length of ``prompt`` (``LengthHistory.predicted``)."""
@@ -461,6 +530,8 @@ class SchedulerCore(CoreView):
         prompt = w.drafts.pop(job_id, None) or w.stopping.pop(job_id)
         self.planner.done(prompt, complete=finished and tokens > 0)
         self.timing.set_state(w, self.clock())
+        if self._release(prompt):  # its partial draft is stored: its held requests may start
+            return self._fill_all()
         return self._fill(w)
 
     # --------------------------------------------------------------- policy --
@@ -559,6 +630,11 @@ class SchedulerCore(CoreView):
         """Periodic checks: dead workers, stragglers, stalled requests."""
         now = self.clock()
         actions: list[Action] = []
+        expired = [p for p, (_, since) in self._held.items() if now - since > HOLD_SECONDS]
+        for prompt in expired:  # a draft result that never came: run the requests without the draft
+            del self._held[prompt]
+        if expired:
+            actions += self._fill_all()
         for w in [w for w in self.workers.values() if now - w.last_seen > self.settings.worker_timeout_seconds]:
             silent = f"silent for {now - w.last_seen:.1f}s"
             actions.append(Disconnect(w.hello.worker_id, silent))
@@ -642,7 +718,7 @@ class SchedulerCore(CoreView):
             if key is None:
                 break
             if w.drafts:
-                actions += self._stop_drafts(w)
+                actions += self._stop_drafts(w, keep=self._beside(w, len(running) + 1))
             step = self.steps[_step_of(key)]
             req = step.requests[key]
             req.worker, req.started_at, req.progress, req.progress_at = wid, now, 0, now
@@ -651,11 +727,23 @@ class SchedulerCore(CoreView):
             actions.append(Assign(wid, req.spec, min(self._predicted(req.spec.prompt_token_ids),
                                                      float(req.spec.sampling.max_tokens))))
         if not running:
-            actions += self._plan_drafts(w)
+            if not self._held:  # else work is due the moment the held draft results come
+                actions += self._plan_drafts(w)
+        elif self.settings.max_draft_jobs_beside_requests:
+            actions += self._plan_drafts(w, self._beside(w, len(running)))
         self.timing.set_state(w, now)
         return actions
 
+    def _beside(self, w: WorkerState, busy: int) -> int:
+        """Draft jobs ``w`` may run beside ``busy`` requests (never in a request's slot; none
+        while future drafts do not pay, ``CoreSettings.max_draft_jobs_beside_requests``)."""
+        if self._future_saving < BESIDE_MIN_SAVING:
+            return 0
+        return max(0, min(self.settings.max_draft_jobs_beside_requests, w.capacity - busy))
+
     def _next_for(self, w: WorkerState) -> str | None:
+        if self._held:  # rare: a draft result is pending for some prompt that has arrived
+            return self._next_unheld(w)
         while w.private:
             key = w.private.popleft()
             if self._takeable(w, key):
@@ -668,6 +756,24 @@ class SchedulerCore(CoreView):
                     key = step.shared.popleft()
                     if self._takeable(w, key):
                         return key
+        return None
+
+    def _next_unheld(self, w: WorkerState) -> str | None:
+        """``_next_for`` while requests are held (``_stop_arrived``): a queue does not move past
+        a held request (else later ones would fill the slots it is due, and a long prompt's
+        drafted samples would start a wave late); the hold lasts until its draft results come,
+        a few milliseconds, or ``HOLD_SECONDS`` at most (``tick``)."""
+        queues = [w.private] + [s.shared for s in self.steps.values() if s.shared and s.active
+                                and s.spec.policy_version == w.version and not self.pauser.holds(s.spec.step_id)]
+        for queue in queues:
+            for _ in range(len(queue)):
+                key = queue[0]
+                step = self.steps.get(_step_of(key))
+                if step is not None and key in step.requests and step.requests[key].spec.prompt_token_ids in self._held:
+                    break  # this queue waits
+                queue.popleft()
+                if self._takeable(w, key):
+                    return key
         return None
 
     def _takeable(self, w: WorkerState, key: str) -> bool:
@@ -694,16 +800,18 @@ class SchedulerCore(CoreView):
                    and o.version == step.spec.policy_version and _serves(o, step.spec.sampling)
                    for o in self.workers.values())
 
-    def _plan_drafts(self, w: WorkerState) -> list[Action]:
+    def _plan_drafts(self, w: WorkerState, width: int | None = None) -> list[Action]:
+        """Start draft jobs on ``w`` until it runs ``width`` (default: an idle worker's width)."""
         if not (self.settings.drafting and w.hello.speculation and w.version == self.version):
             return []
         if not self._drafts_wanted:  # drafting goes on after the step, until the next policy
             return []
         actions: list[Action] = []
-        width = self.settings.max_draft_jobs_per_worker
-        if self.settings.max_draft_jobs_during_step is not None and self._current_step() is not None:
-            width = min(width, self.settings.max_draft_jobs_during_step)
-        width = min(w.capacity, width)
+        if width is None:
+            width = self.settings.max_draft_jobs_per_worker
+            if self.settings.max_draft_jobs_during_step is not None and self._current_step() is not None:
+                width = min(width, self.settings.max_draft_jobs_during_step)
+            width = min(w.capacity, width)
         while len(w.drafts) < width:
             up = self.planner.pick()
             if up is None:
@@ -715,11 +823,20 @@ class SchedulerCore(CoreView):
             actions.append(StartDraft(w.hello.worker_id, job))
         return actions
 
-    def _stop_drafts(self, w: WorkerState) -> list[Action]:
-        """Preempt ``w``'s draft jobs; each still reports its (partial) result."""
-        actions: list[Action] = [StopDraft(w.hello.worker_id, job) for job in w.drafts]
-        w.stopping.update(w.drafts)
-        w.drafts.clear()
+    def _stop_drafts(self, w: WorkerState, keep: int = 0) -> list[Action]:
+        """Preempt ``w``'s draft jobs but the ``keep`` most valuable (their prompts predicted
+        longest); each stopped one still reports its (partial) result."""
+        if len(w.drafts) <= keep:
+            return []
+        jobs = list(w.drafts)
+        if keep:
+            upcoming = self.planner.upcoming
+            jobs.sort(key=lambda j: -(u.predicted_len if (u := upcoming.get(w.drafts[j])) is not None else -1.0))
+            jobs = jobs[keep:]
+        actions: list[Action] = []
+        for job in jobs:
+            actions.append(StopDraft(w.hello.worker_id, job))
+            w.stopping[job] = w.drafts.pop(job)
         return actions
 
     # --------------------------------------------------------------- finish --

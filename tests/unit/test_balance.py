@@ -102,7 +102,7 @@ def test_where_the_whole_queue_starts_now_the_longest_is_placed_first():
 
 
 def test_drafting_is_narrow_while_a_step_runs_and_widens_in_the_gap():
-    core, _ = make_core(max_draft_jobs_during_step=1)
+    core, _ = make_core(max_draft_jobs_during_step=1, max_draft_jobs_beside_requests=0)
     core.add_worker(hello("a", capacity=4))
     core.add_worker(hello("b", capacity=4))
     lookahead = [(7, 8), (9, 10, 11), (12, 13, 14, 15)]
@@ -125,7 +125,7 @@ def prompts_step_with_lookahead(step_id: str, token_ids, lookahead):
 
 
 def test_no_drafting_while_a_step_runs_when_its_width_is_zero():
-    core, _ = make_core(max_draft_jobs_during_step=0)
+    core, _ = make_core(max_draft_jobs_during_step=0, max_draft_jobs_beside_requests=0)
     core.add_worker(hello("a", capacity=4))
     core.add_worker(hello("b", capacity=4))
     lookahead = [(7, 8), (9, 10, 11)]

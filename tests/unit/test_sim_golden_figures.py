@@ -5,6 +5,13 @@ sped up (the engine's re-planning, the event loop, ``_fill`` / ``_next_for``, th
 provenance total); every float is compared with ``==``, not approximately. A change to a
 cost, a rounding or a summation order fails here. A change that is meant to move the figures
 (a new model, a new scheduling rule) updates these values and says why.
+
+Draft jobs beside requests (``CoreSettings.max_draft_jobs_beside_requests``, 2026-11-24) are a
+new scheduling rule: the cases that came before it run without it (``BEFORE_BESIDE``), and
+three of them still give their old figures to the bit. The fourth ("suffix, gap, tail") moved
+in its second step by 0.007% (27.34283 -> 27.34101 s): a prompt whose stopped draft job has
+not reported yet now holds its place in the queue until the report (``_stop_arrived``). The
+case "queue+drafts, beside requests" runs the rule at its default.
 """
 
 from __future__ import annotations
@@ -17,23 +24,27 @@ from bubblespec.bench.sim.costs import GPU_H100_7B, CostProfile
 from bubblespec.bench.sim.simulator import SimSettings, simulate
 from bubblespec.bench.sim.workload import AcceptanceModel
 from bubblespec.client.types import Provenance, SourceStats
-from bubblespec.scheduler.core.state import _total
+from bubblespec.scheduler.core.state import CoreSettings, _total
 
 # The cpu-tiny calibration these figures were simulated with (2026-11-22), pinned here: the golden
 # figures check the simulator's arithmetic, and a new calibration of CPU_TINY must not move them.
 CPU_TINY_2026_11_22 = CostProfile("cpu-tiny-2026-11-22", 5.35e-3, 1.47e-4, 6.24e-5, 2.32e-5)
 
+BEFORE_BESIDE = SimSettings(core=CoreSettings(max_draft_jobs_beside_requests=0))
+
 CASES = {
     "queue+drafts": dict(policy="queue", workers=24, requests_per_step=1536, steps=3, profile=GPU_H100_7B,
-                         drafting=True),
+                         drafting=True, settings=BEFORE_BESIDE),
+    "queue+drafts, beside requests": dict(policy="queue", workers=24, requests_per_step=1536, steps=3,
+                                          profile=GPU_H100_7B, drafting=True),
     "static": dict(policy="static", workers=24, requests_per_step=1536, steps=2, profile=GPU_H100_7B, drafting=False),
     "longest-first+drafts, fixed rule": dict(policy="longest-first", workers=12, requests_per_step=768, steps=3,
-                                             profile=GPU_H100_7B, drafting=True,
+                                             profile=GPU_H100_7B, drafting=True, settings=BEFORE_BESIDE,
                                              acceptance=replace(AcceptanceModel(), paying=False, max_draft_tokens=8)),
     "queue+drafts, suffix, gap, tail": dict(policy="queue", workers=16, requests_per_step=1024, steps=3,
                                             profile=CPU_TINY_2026_11_22,
                                             drafting=True, acceptance=replace(AcceptanceModel(), suffix=0.5),
-                                            settings=SimSettings(train_seconds=5.0, tail_requests=2)),
+                                            settings=replace(BEFORE_BESIDE, train_seconds=5.0, tail_requests=2)),
 }
 
 # per step: makespan, forward passes, accepted, drafted, busy / idle / drafting worker-seconds,
@@ -55,9 +66,14 @@ GOLDEN = {
     ], 4531),
     'queue+drafts, suffix, gap, tail': ([
         (26.99590323750587, 368483, 241501, 619169, 257.4121478020938, 59.94619846531761, 114.57610553268255, 0, 609),
-        (27.34283219793717, 269357, 344238, 735255, 237.84451447980842, 56.32030044456117, 143.32050024262512, 1024, 718),
-        (35.4450877608717, 263651, 342356, 729203, 228.6115018995013, 133.42355253244008, 205.0863497420058, 1024, 842),
-    ], 5601),
+        (27.34100852286079, 269295, 344300, 735367, 237.84269080473206, 56.307534719026506, 143.30591084201407, 1024, 718),
+        (35.4450877608717, 263651, 342356, 729203, 228.61150189950135, 133.42355253244006, 205.08634974200578, 1024, 842),
+    ], 5599),
+    'queue+drafts, beside requests': ([
+        (38.624075, 908770, 0, 0, 571.6680499999999, 109.64525, 245.66449999999998, 0, 1085),
+        (57.174821610892685, 450173, 479154, 1391686, 560.1222772947126, 7.749505278096848, 804.3239360886151, 1536, 1448),
+        (35.40918763321321, 402167, 516917, 1566434, 425.192880307296, 0.0, 424.62762288982117, 1536, 1253),
+    ], 8732),
 }
 
 

@@ -161,15 +161,19 @@ def test_engine_boundaries_stay_ordered_when_the_batch_changes() -> None:
     assert done.key == "long" and done.forward_passes(e.passes) == 100
 
 
-def test_a_request_preempts_draft_jobs_which_keep_their_partial_draft() -> None:
+def test_a_stopped_draft_job_keeps_its_partial_draft_and_a_kept_one_runs_beside_a_request() -> None:
     e = engine()
     e.add(0.0, Member("d1", 500, job=True))
     e.add(0.0, Member("d2", 500, job=True))
     e.commit(0.0)
-    preempted = e.add(1.0, Member("r", 10))
-    assert sorted(m.key for m in preempted) == ["d1", "d2"]
-    assert all(int(m.pos0) == 100 for m in preempted)  # 1 s at 10 ms per pass
-    assert list(e.members) == ["r"] and not e.jobs
+    assert e.jobs
+    stopped = e.remove(1.0, "d1")  # the core stops the jobs it does not keep (StopDraft)
+    assert stopped is not None and int(stopped.pos0) == 100  # 1 s at 10 ms per pass
+    e.add(1.0, Member("r", 10))  # the kept job and the request share the batch
+    e.commit(1.0)
+    assert sorted(e.members) == ["d2", "r"] and not e.jobs and e.job_count == 1
+    (done,) = e.due(1.0 + 10 * 0.01)  # the request's 10 tokens, one per pass
+    assert done.key == "r" and e.jobs and e.tokens("d2", 1.1) == 110
 
 
 def test_prefill_delays_the_first_token() -> None:

@@ -1,0 +1,128 @@
+"""Draft jobs beside requests (``CoreSettings.max_draft_jobs_beside_requests``) and the hold on
+a prompt whose stopped draft job has not reported yet (``SchedulerCore._stop_arrived``)."""
+
+from __future__ import annotations
+
+from bubblespec.client.types import Completion, FinishReason, Prompt, Provenance, SamplingParams, SchedulingPolicy, SourceStats
+from bubblespec.scheduler.core.state import HOLD_SECONDS
+from bubblespec.scheduler.core.types import Assign, StartDraft, StopDraft
+from bubblespec.scheduler.core.validate import Limits, build_step
+
+from tests.unit.test_core import LIMITS, complete, hello, make_core, of
+
+LONG, LONGER, LONGEST = (7, 8, 9), (7, 8, 9, 10), (7, 8, 9, 10, 11)
+
+
+def prompts_step_with_lookahead(step_id: str, token_ids, lookahead, policy=SchedulingPolicy.QUEUE):
+    return build_step(step_id=step_id, policy_version=0,
+                      prompts=[Prompt(f"p{i}", token_ids=t) for i, t in enumerate(token_ids)],
+                      sampling=SamplingParams(temperature=0.0, max_tokens=200, n=1),
+                      lookahead=[Prompt(f"l{i}", token_ids=t) for i, t in enumerate(lookahead)],
+                      policy=policy, limits=Limits(), model=LIMITS)
+
+
+def paying_core(**settings):
+    """A core whose recent completions accepted their future drafts (the gate of jobs beside requests is open)."""
+    core, _ = make_core(**settings)
+    core._future_saving = 1.0
+    return core
+
+
+def finish_with_future_drafts(core, a: Assign, drafted: int, accepted: int):
+    r = a.request
+    c = Completion(r.step_id, r.prompt_id, r.sample_index, tuple(range(20)), (0.0,) * 20, "", FinishReason.STOP, 0,
+                   provenance=Provenance(20 - accepted, (SourceStats("future", drafted, accepted),)))
+    return core.on_completion(a.worker_id, r.key, c)
+
+
+def test_jobs_run_beside_requests_only_once_future_drafts_were_accepted() -> None:
+    for drafted, accepted, beside in ((10, 9, 2), (10, 2, 0)):  # 9 or 2 of its 20 tokens from future drafts
+        core, _ = make_core(max_draft_jobs_beside_requests=2)
+        core.add_worker(hello("a", capacity=8))
+        first = core.submit_step(prompts_step_with_lookahead("s1", [(5, 6), (5, 7)], [LONG]))
+        assert not of(first, StartDraft)  # nothing accepted yet: no job beside requests
+        done = finish_with_future_drafts(core, of(first, Assign)[0], drafted, accepted)
+        assert len(of(done, StartDraft)) == min(beside, 1)  # one upcoming prompt
+        core.submit_step(prompts_step_with_lookahead("s2", [(5, 8), (5, 9)], [LONG, LONGER, LONGEST]))
+        assert len(core.workers["a"].drafts) == beside
+
+
+def with_history(core) -> None:
+    """One finished step, so that unseen prompts are predicted by their length (5 tokens per prompt token)."""
+    (a,) = of(core.submit_step(prompts_step_with_lookahead("s0", [(5, 6)], [])), Assign)
+    complete(core, a, tokens=10)
+
+
+def test_a_busy_worker_drafts_beside_its_requests_and_zero_turns_it_off() -> None:
+    for beside, expected in ((2, 2), (0, 0)):
+        core = paying_core(max_draft_jobs_beside_requests=beside)
+        core.add_worker(hello("a", capacity=8))
+        actions = core.submit_step(prompts_step_with_lookahead("s", [(5, 6)], [LONG, LONGER, LONGEST]))
+        assert len(of(actions, Assign)) == 1
+        assert len(of(actions, StartDraft)) == expected
+        assert len(core.workers["a"].drafts) == expected
+
+
+def test_work_arriving_keeps_the_longest_predicted_jobs_and_never_a_requests_slot() -> None:
+    core = paying_core()
+    core.add_worker(hello("a", capacity=3))
+    with_history(core)
+    first = core.submit_step(prompts_step_with_lookahead("s1", [(5, 6)], [(7, 8), LONG, LONGER, LONGEST]))
+    (a,) = of(first, Assign)
+    complete(core, a)  # the step ends: the idle worker drafts at full width (its capacity, 3)
+    assert set(core.workers["a"].drafts.values()) == {LONG, LONGER, LONGEST}
+    jobs = {prompt: job for job, prompt in core.workers["a"].drafts.items()}
+    # two requests on a worker of capacity 3: one slot is left, for the longest prompt's job
+    actions = core.submit_step(prompts_step_with_lookahead("s2", [(5, 6), (5, 7)], [(7, 8), LONG, LONGER, LONGEST]))
+    assert len(of(actions, Assign)) == 2
+    assert {s.job_id for s in of(actions, StopDraft)} == {jobs[LONG], jobs[LONGER]}
+    assert list(core.workers["a"].drafts.values()) == [LONGEST]
+    assert not of(actions, StartDraft)  # (7, 8) waits: no slot beside two requests on this worker
+
+
+def drafting_beside():
+    """Workers a and b; step s0 runs one prompt and announces ``LONGEST``, whose draft job then
+    runs beside the request and on through the gap; the job's worker and the job."""
+    core = paying_core()
+    core.add_worker(hello("a", capacity=4))
+    core.add_worker(hello("b", capacity=4))
+    actions = core.submit_step(prompts_step_with_lookahead("s0", [(5, 6)], [LONGEST]))
+    (a,) = of(actions, Assign)
+    (job,) = of(actions, StartDraft)
+    assert job.worker_id == a.worker_id and job.job.prompt_token_ids == LONGEST
+    complete(core, a)
+    return core, job
+
+
+def test_a_prompt_waits_for_its_stopped_draft_job_to_report() -> None:
+    for policy in (SchedulingPolicy.QUEUE, SchedulingPolicy.STATIC):
+        core, job = drafting_beside()
+        actions = core.submit_step(prompts_step_with_lookahead("s1", [LONGEST, (5, 6)], [], policy))
+        assert [s.job_id for s in of(actions, StopDraft)] == [job.job.job_id]
+        # the drafted prompt waits for its partial draft to be stored (and a queue does not move past it)
+        before = [a.request.prompt_token_ids for a in of(actions, Assign)]
+        assert LONGEST not in before
+        released = core.on_draft_result(job.worker_id, job.job.job_id, tokens=40, finished=False)
+        after = [a.request.prompt_token_ids for a in of(released, Assign)]
+        assert sorted(before + after) == sorted([LONGEST, (5, 6)]) and LONGEST in after
+
+
+def test_a_hold_whose_draft_result_never_comes_ends_after_hold_seconds() -> None:
+    core, job = drafting_beside()
+    clock = core.clock
+    assert not of(core.submit_step(prompts_step_with_lookahead("s1", [LONGEST], [])), Assign)
+    clock.now += HOLD_SECONDS / 2
+    assert not of(core.tick(), Assign)
+    clock.now += HOLD_SECONDS
+    assert [a.request.prompt_token_ids for a in of(core.tick(), Assign)] == [LONGEST]
+    late = core.on_draft_result(job.worker_id, job.job.job_id, tokens=40, finished=False)
+    assert not of(late, Assign)  # nothing runs twice
+
+
+def test_a_dead_drafting_worker_releases_the_prompt_it_held() -> None:
+    core, job = drafting_beside()
+    actions = core.submit_step(prompts_step_with_lookahead("s1", [LONGEST], []))
+    assert of(actions, StopDraft) and not of(actions, Assign)
+    other = "b" if job.worker_id == "a" else "a"
+    released = core.remove_worker(job.worker_id)  # its result never comes
+    assert [(a.worker_id, a.request.prompt_token_ids) for a in of(released, Assign)] == [(other, LONGEST)]
