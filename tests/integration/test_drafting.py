@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import redis
 
 from bubblespec.client import Prompt, SamplingParams, SchedulingPolicy
+from bubblespec.scheduler.core.state import BESIDE_MIN_SAVING
 from bubblespec.store import prompt_key
 from bubblespec.bench.tiny_model import perturb_weights
 from tests.factories import token_prompts
@@ -105,6 +107,17 @@ async def test_redis_down_mid_step_keeps_results_exact_and_drafting_resumes(clus
 
 async def test_draft_job_yields_at_once_to_current_work(cluster, client):
     core = cluster.scheduler.core
+    kept = core.settings
+    # no job kept beside requests (else the worker keeps up to 4 of its jobs running beside the new work)
+    core.settings = replace(kept, max_draft_jobs_beside_requests=0)
+    try:
+        await _yields_at_once(cluster, client)
+    finally:
+        core.settings = kept
+
+
+async def _yields_at_once(cluster, client):
+    core = cluster.scheduler.core
     v = core.version
     long_sp = SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)
     a_prompts = [Prompt("long", token_ids=token_prompts(1, seed=90)[0]),
@@ -129,3 +142,34 @@ async def test_draft_job_yields_at_once_to_current_work(cluster, client):
     cands = await cluster.store.get_drafts([prompt_key(p) for p in ahead])
     partial = [e for entries in cands.values() for e in entries if e.source.value == "future" and len(e.tokens) < 480]
     assert partial, "the preempted draft job did not keep its partial draft"
+
+
+async def test_busy_workers_draft_beside_their_requests_and_the_next_step_uses_it(cluster, client):
+    """Both workers busy with a long response each (static split): the announced prompt is
+    drafted beside those requests on a real engine (once completions showed future drafts
+    paying), and the next step's request of that prompt is exact and takes the draft's tokens."""
+    core = cluster.scheduler.core
+    v = core.version
+    sp = SamplingParams(temperature=0.0, max_tokens=320, ignore_eos=True)
+    # completions with accepted future drafts open the gate (CoreSettings.max_draft_jobs_beside_requests)
+    warm_ahead = token_prompts(2, seed=120)
+    await client.generate("beside-warm", token_prompts(2, seed=121), sp, policy_version=v, lookahead=warm_ahead)
+    await client.generate("beside-warm-2", warm_ahead, sp, policy_version=v)
+    assert core._future_saving >= BESIDE_MIN_SAVING, f"future drafts did not pay: {core._future_saving}"
+    ahead = token_prompts(1, seed=122)
+    agents = {ag.worker_id: ag for ag in cluster.agents}
+    step = asyncio.create_task(client.generate("beside-a", token_prompts(2, seed=123), sp, policy_version=v,
+                                               lookahead=ahead, policy=SchedulingPolicy.STATIC))
+    beside = []
+    for _ in range(3000):  # a worker with requests running also runs the draft job, and it makes tokens
+        beside = [w for w in core.workers.values() if w.running and w.drafts
+                  and any(agents[w.hello.worker_id].draft_tokens.values())]
+        if beside or step.done():
+            break
+        await asyncio.sleep(0.01)
+    await step
+    assert beside, "no busy worker drafted beside its requests"
+    on = await client.generate("beside-b", ahead, sp, policy_version=v)
+    off = await client.generate("beside-b-off", ahead, sp, policy_version=v, drafts=False)
+    assert [c.token_ids for c in on.completions] == [c.token_ids for c in off.completions]
+    assert on.summary.provenance.accepted("future") > 0
