@@ -124,7 +124,11 @@ class CoreSettings:
     slot: a request for a full worker stops the least valuable job first. Only while future
     drafts pay: in recent completions that were offered future draft tokens, accepted ones made
     at least ``BESIDE_MIN_SAVING`` of the tokens (a worker proposes none where a draft token
-    costs more than it is expected to save, and few where it pays only at a step's tail)."""
+    costs more than it is expected to save, and few where it pays only at a step's tail). And
+    only while the trainer's gaps are short: where the last gap between steps lasted at least as
+    long as the last step, the idle workers draft in it what a step's worth of passes can (a
+    draft needs as many passes as its response has tokens, and a step lasts about as many
+    passes as its longest response), and jobs beside requests would only slow the step."""
     timeline_segments: int = 256
     """Timeline segments kept per worker (for the UI)."""
     max_active_steps: int = 16
@@ -178,6 +182,8 @@ class SchedulerCore(CoreView):
         self._drafts_wanted = False  # the latest step asked for drafts of its lookahead
         self._held: dict[tuple[int, ...], list[float]] = {}  # prompt -> [stopped jobs whose result is pending, since]
         self._future_saving = -1.0  # running share of tokens from accepted future drafts (-1: none seen yet)
+        self._last_finish: tuple[float, float] | None = None  # (when, makespan) of the step that finished last
+        self._long_gap = False  # the trainer's last gap lasted at least as long as the step before it
         self.pauser = Pauser(self)  # /pause and /resume (core/pause.py)
         self.balancer = Balancer(self)  # which worker takes queued work (core/balance.py)
 
@@ -318,6 +324,9 @@ class SchedulerCore(CoreView):
             return []  # resume: nothing new to schedule
         now = self.clock()
         self.timing.flush(self.workers.values(), now)
+        if self._last_finish is not None and not any(s.active for s in self.steps.values()):
+            finished_at, makespan = self._last_finish
+            self._long_gap = makespan > 0 and now - finished_at >= makespan
         reqs = {r.key: RequestState(r) for r in _expand(spec)}
         step = StepState(spec, reqs, deque(), now)
         for key, completion in (done or {}).items():
@@ -387,7 +396,7 @@ class SchedulerCore(CoreView):
         """Drop length history and announced prompts (benchmarks compare arms from scratch)."""
         self.history.clear()
         self.planner = DraftPlanner()
-        self._future_saving = -1.0
+        self._future_saving, self._last_finish, self._long_gap = -1.0, None, False
 
     def cancel_step(self, step_id: str) -> list[Action]:
         step = self.steps.get(step_id)
@@ -736,8 +745,9 @@ class SchedulerCore(CoreView):
 
     def _beside(self, w: WorkerState, busy: int) -> int:
         """Draft jobs ``w`` may run beside ``busy`` requests (never in a request's slot; none
-        while future drafts do not pay, ``CoreSettings.max_draft_jobs_beside_requests``)."""
-        if self._future_saving < BESIDE_MIN_SAVING:
+        while future drafts do not pay or the trainer's gaps are long,
+        ``CoreSettings.max_draft_jobs_beside_requests``)."""
+        if self._future_saving < BESIDE_MIN_SAVING or self._long_gap:
             return 0
         return max(0, min(self.settings.max_draft_jobs_beside_requests, w.capacity - busy))
 
@@ -845,6 +855,7 @@ class SchedulerCore(CoreView):
         now = self.clock()
         self.timing.flush(self.workers.values(), now)
         step.finished_at = now
+        self._last_finish = (now, now - step.started_at)
         comps = step.completions.values()
         prov = _total(c.provenance for c in comps)
         step.summary = StepSummary(

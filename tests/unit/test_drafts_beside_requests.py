@@ -126,3 +126,17 @@ def test_a_dead_drafting_worker_releases_the_prompt_it_held() -> None:
     other = "b" if job.worker_id == "a" else "a"
     released = core.remove_worker(job.worker_id)  # its result never comes
     assert [(a.worker_id, a.request.prompt_token_ids) for a in of(released, Assign)] == [(other, LONGEST)]
+
+
+def test_no_job_runs_beside_requests_after_a_trainer_gap_as_long_as_the_step() -> None:
+    for gap, beside in ((0.1, 2), (1.5, 0)):
+        core, clock = make_core(max_draft_jobs_beside_requests=2)
+        core._future_saving = 1.0
+        core.add_worker(hello("a", capacity=8))
+        (a,) = of(core.submit_step(prompts_step_with_lookahead("s1", [(5, 6)], [LONG, LONGER, LONGEST])), Assign)
+        clock.now += 1.0  # a step of 1 s
+        complete(core, a)  # the idle worker drafts every upcoming prompt in the gap
+        assert len(core.workers["a"].drafts) == 3
+        clock.now += gap
+        core.submit_step(prompts_step_with_lookahead("s2", [(5, 7)], [LONG, LONGER, LONGEST]))
+        assert len(core.workers["a"].drafts) == beside, gap  # the jobs it keeps beside its request
