@@ -84,7 +84,7 @@ __all__ = ["CoreSettings", "RequestState", "SchedulerCore", "StepState", "Worker
 
 
 HOLD_SECONDS = 1.0
-"""Longest a request waits for the result of its prompt's stopped draft job (``_stop_arrived``)."""
+"""Longest dispatch waits for the results of a new step's stopped draft jobs (``_stop_arrived``)."""
 BESIDE_MIN_SAVING = 0.2
 """Share of a completion's tokens from accepted future drafts (a running mean over completions
 offered any) below which no draft job runs beside requests."""
@@ -358,10 +358,12 @@ class SchedulerCore(CoreView):
 
     def _stop_arrived(self, spec: StepSpec) -> list[Action]:
         """Stop the draft jobs of the step's own prompts, which have arrived (a job kept beside
-        requests may still run one), and hold the requests of every prompt with a stopped job
-        whose result is pending until that result comes (``on_draft_result``): the job stores
-        its partial draft before it reports, and a request dispatched earlier would read the
-        draft store without it."""
+        requests may still run one), and hold dispatch while any of them, or an earlier stopped
+        job of those prompts, has not reported (``on_draft_result``): a job stores its partial
+        draft before it reports, and a request dispatched earlier would read the draft store
+        without it. The reports take a few milliseconds (``HOLD_SECONDS`` at most, ``tick``);
+        then one fill places the whole step, as it would have at once (a fill per report
+        would split the balancer's placement into rounds, and scan every worker each time)."""
         arrived = {p.token_ids for p in spec.prompts}
         actions: list[Action] = []
         now = self.clock()
@@ -539,8 +541,10 @@ class SchedulerCore(CoreView):
         prompt = w.drafts.pop(job_id, None) or w.stopping.pop(job_id)
         self.planner.done(prompt, complete=finished and tokens > 0)
         self.timing.set_state(w, self.clock())
-        if self._release(prompt):  # its partial draft is stored: its held requests may start
-            return self._fill_all()
+        if self._release(prompt) and not self._held:  # the last pending partial draft is stored:
+            return self._fill_all()  # the held requests start (one fill for all: it scans every worker)
+        if self._held:
+            return []  # the fill when the last one is stored places the work, balanced, and plans drafts
         return self._fill(w)
 
     # --------------------------------------------------------------- policy --
@@ -752,8 +756,8 @@ class SchedulerCore(CoreView):
         return max(0, min(self.settings.max_draft_jobs_beside_requests, w.capacity - busy))
 
     def _next_for(self, w: WorkerState) -> str | None:
-        if self._held:  # rare: a draft result is pending for some prompt that has arrived
-            return self._next_unheld(w)
+        if self._held:  # a step's own prompts wait for their stopped draft jobs' results (``_stop_arrived``)
+            return None
         while w.private:
             key = w.private.popleft()
             if self._takeable(w, key):
@@ -766,24 +770,6 @@ class SchedulerCore(CoreView):
                     key = step.shared.popleft()
                     if self._takeable(w, key):
                         return key
-        return None
-
-    def _next_unheld(self, w: WorkerState) -> str | None:
-        """``_next_for`` while requests are held (``_stop_arrived``): a queue does not move past
-        a held request (else later ones would fill the slots it is due, and a long prompt's
-        drafted samples would start a wave late); the hold lasts until its draft results come,
-        a few milliseconds, or ``HOLD_SECONDS`` at most (``tick``)."""
-        queues = [w.private] + [s.shared for s in self.steps.values() if s.shared and s.active
-                                and s.spec.policy_version == w.version and not self.pauser.holds(s.spec.step_id)]
-        for queue in queues:
-            for _ in range(len(queue)):
-                key = queue[0]
-                step = self.steps.get(_step_of(key))
-                if step is not None and key in step.requests and step.requests[key].spec.prompt_token_ids in self._held:
-                    break  # this queue waits
-                queue.popleft()
-                if self._takeable(w, key):
-                    return key
         return None
 
     def _takeable(self, w: WorkerState, key: str) -> bool:

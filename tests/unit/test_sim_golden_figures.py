@@ -9,9 +9,9 @@ cost, a rounding or a summation order fails here. A change that is meant to move
 Draft jobs beside requests (``CoreSettings.max_draft_jobs_beside_requests``, 2026-11-24) are a
 new scheduling rule: the cases that came before it run without it (``BEFORE_BESIDE``), and
 three of them still give their old figures to the bit. The fourth ("suffix, gap, tail") moved
-in its second step by 0.007% (27.34283 -> 27.34101 s): a prompt whose stopped draft job has
-not reported yet now holds its place in the queue until the report (``_stop_arrived``). The
-case "queue+drafts, beside requests" runs the rule at its default.
+in its second step by 0.007% (27.34283 -> 27.34101 s): dispatch now waits for the results of
+the draft jobs a new step's arrival stopped (``_stop_arrived``). The case "queue+drafts,
+beside requests" runs the rule at its default.
 """
 
 from __future__ import annotations
