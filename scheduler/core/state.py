@@ -377,16 +377,13 @@ class SchedulerCore(CoreView):
                         self._held.setdefault(prompt, [0, now])[0] += 1
         return actions
 
-    def _release(self, prompt: tuple[int, ...]) -> bool:
-        """One pending draft result of ``prompt`` came (or never will); True if that freed its requests."""
+    def _release(self, prompt: tuple[int, ...]) -> None:
+        """One pending draft result of ``prompt`` came (or never will)."""
         held = self._held.get(prompt)
-        if held is None:
-            return False
-        held[0] -= 1
-        if held[0] > 0:
-            return False
-        del self._held[prompt]
-        return True
+        if held is not None:
+            held[0] -= 1
+            if held[0] <= 0:
+                del self._held[prompt]
 
     def announce(self, prompts: list[tuple[int, ...]], sampling: SamplingParams) -> int:
         self.planner.check_room(prompts, self.settings.max_announced_prompts, "prompts")
@@ -541,10 +538,9 @@ class SchedulerCore(CoreView):
         prompt = w.drafts.pop(job_id, None) or w.stopping.pop(job_id)
         self.planner.done(prompt, complete=finished and tokens > 0)
         self.timing.set_state(w, self.clock())
-        if self._release(prompt) and not self._held:  # the last pending partial draft is stored:
-            return self._fill_all()  # the held requests start (one fill for all: it scans every worker)
-        if self._held:
-            return []  # the fill when the last one is stored places the work, balanced, and plans drafts
+        if self._held:  # dispatch waits (``_stop_arrived``): one fill, when the last pending
+            self._release(prompt)  # partial draft is stored, places the work and plans drafts
+            return [] if self._held else self._fill_all()
         return self._fill(w)
 
     # --------------------------------------------------------------- policy --
@@ -739,11 +735,11 @@ class SchedulerCore(CoreView):
             self.balancer.stalls.started(step.spec.step_id, key, wid, now, self.settings.stall_seconds)
             actions.append(Assign(wid, req.spec, min(self._predicted(req.spec.prompt_token_ids),
                                                      float(req.spec.sampling.max_tokens))))
-        if not running:
-            if not self._held:  # else work is due the moment the held draft results come
-                actions += self._plan_drafts(w)
-        elif self.settings.max_draft_jobs_beside_requests:
-            actions += self._plan_drafts(w, self._beside(w, len(running)))
+        if running:
+            if self.settings.max_draft_jobs_beside_requests:
+                actions += self._plan_drafts(w, self._beside(w, len(running)))
+        elif not self._held:  # else work is due the moment the held draft results come
+            actions += self._plan_drafts(w)
         self.timing.set_state(w, now)
         return actions
 
