@@ -74,6 +74,8 @@ class BenchConfig:
     """Draft jobs a busy worker runs beside its requests (the scheduler's
     ``max_draft_jobs_beside_requests``; -1 = its default, 4). Measured with 0, 2, 4, 8 and 16 on
     this machine (docs/BENCHMARKS.md)."""
+    draft_beside_first_step: bool = True
+    """The scheduler's ``draft_beside_first_step`` (docs/BENCHMARKS.md has both)."""
     seed: int = 0
     runs: int = 1
     """Times every arm runs (on the same engines, arm order rotated per run); the table gives
@@ -314,7 +316,8 @@ def _config(args) -> BenchConfig:
                        samples=args.samples, max_tokens=args.max_tokens, lookahead_steps=args.lookahead_steps,
                        train_seconds=args.train_seconds, update_scale=args.update_scale, seed=args.seed,
                        draft_jobs_during_step=args.draft_jobs_during_step,
-                       draft_jobs_beside_requests=args.draft_jobs_beside_requests, runs=args.runs)
+                       draft_jobs_beside_requests=args.draft_jobs_beside_requests,
+                       draft_beside_first_step=args.draft_beside_first_step, runs=args.runs)
 
 
 def _tell_results(say, report: dict, cfg: BenchConfig) -> None:
@@ -350,6 +353,7 @@ def main(args) -> int:
         core = CoreSettings(max_draft_jobs_during_step=None if cfg.draft_jobs_during_step < 0 else cfg.draft_jobs_during_step)
         if cfg.draft_jobs_beside_requests >= 0:
             core = replace(core, max_draft_jobs_beside_requests=cfg.draft_jobs_beside_requests)
+        core = replace(core, draft_beside_first_step=cfg.draft_beside_first_step)
         cluster = Cluster(SchedulerSettings(host="127.0.0.1", grpc_port=0, http_port=0, tokenizer=args.model, core=core),
                           _engine_settings(args), args.workers, progress=story.say)
         await cluster.start()

@@ -145,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                                              "(-1 = the scheduler's default, 16; full width after the step)")
     _add(bench, "draft-jobs-beside-requests", -1, "draft jobs per busy worker beside its requests, for the "
                                                   "upcoming prompts predicted longest (-1 = the scheduler's default, 4)")
+    _add(bench, "draft-beside-first-step", True, "draft jobs beside the first step's requests, before completions "
+                                                 "show whether future drafts pay (the scheduler's default: on)")
     _add(bench, "runs", 1, "times every arm runs on the same engines (arm order rotated per run); "
          "the table gives each run's speedup and their median")
     _add(bench, "json", "", "write the report here")

@@ -75,6 +75,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-jobs-beside-requests", type=int, default=CoreSettings.max_draft_jobs_beside_requests,
                    help="draft jobs a busy worker runs beside its requests, for the upcoming prompts predicted "
                         "longest (CoreSettings.max_draft_jobs_beside_requests; 0: drafting only in bubbles and gaps)")
+    p.add_argument("--draft-beside-first-step", action=argparse.BooleanOptionalAction,
+                   default=CoreSettings.draft_beside_first_step,
+                   help="draft jobs beside the first step's requests, before completions show whether future "
+                        "drafts pay, CoreSettings.draft_beside_first_step (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (lengths, acceptance); every policy sees the same")
     p.add_argument("--seeds", type=int, default=1,
                    help="run seeds --seed .. --seed+N-1; a row shows medians over them and each seed's speedup")
@@ -163,7 +167,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          min_accept_prob=args.min_accept_prob)
     settings = SimSettings(capacity=args.capacity, samples=args.samples, train_seconds=args.train_seconds,
                            tail_requests=max(0, args.tail),
-                           core=CoreSettings(max_draft_jobs_beside_requests=args.draft_jobs_beside_requests))
+                           core=CoreSettings(max_draft_jobs_beside_requests=args.draft_jobs_beside_requests,
+                                             draft_beside_first_step=args.draft_beside_first_step))
     print(f"profile {profile.name} ({profile.source}); requests/step {args.requests}, {args.samples} samples/prompt, "
           f"capacity {args.capacity}, {args.steps} steps, seeds {args.seed}..{args.seed + max(1, args.seeds) - 1}",
           flush=True)

@@ -124,11 +124,19 @@ class CoreSettings:
     slot: a request for a full worker stops the least valuable job first. Only while future
     drafts pay: in recent completions that were offered future draft tokens, accepted ones made
     at least ``BESIDE_MIN_SAVING`` of the tokens (a worker proposes none where a draft token
-    costs more than it is expected to save, and few where it pays only at a step's tail). And
+    costs more than it is expected to save, and few where it pays only at a step's tail), and
+    in the first step, before any evidence (``draft_beside_first_step``). And
     only while the trainer's gaps are short: where the last gap between steps lasted at least as
     long as the last step, the idle workers draft in it what a step's worth of passes can (a
     draft needs as many passes as its response has tokens, and a step lasts about as many
     passes as its longest response), and jobs beside requests would only slow the step."""
+    draft_beside_first_step: bool = True
+    """Run draft jobs beside the first step's requests, before any completion can show whether
+    future drafts pay (none can exist before that step; the jobs beside its requests are what
+    drafts the next step in full). After the first step the evidence decides
+    (``max_draft_jobs_beside_requests``). Off: none until the evidence shows drafts paying, for
+    engines where a draft token is known to cost more than it saves (the simulator's
+    compute-bound profile ran its first step 4.5-7% slower with it on; docs/SIMULATOR.md)."""
     timeline_segments: int = 256
     """Timeline segments kept per worker (for the UI)."""
     max_active_steps: int = 16
@@ -712,8 +720,10 @@ class SchedulerCore(CoreView):
         step = self._current_step()
         return step.spec.sampling.n if step is not None else 1
 
-    def _fill(self, w: WorkerState, limit: int | None = None) -> list[Action]:
-        """Give ``w`` up to ``limit`` more requests (default: up to its capacity)."""
+    def _fill(self, w: WorkerState, limit: int | None = None, plan: bool = True) -> list[Action]:
+        """Give ``w`` up to ``limit`` more requests (default: up to its capacity), then plan its
+        draft jobs unless ``plan`` is off (``_fill_all`` plans once the whole placement is done:
+        a job planned beside a worker's first request would be stopped by its second)."""
         wid = w.hello.worker_id
         if w.loading is not None or w.load_failed is not None or wid not in self.workers:
             return []
@@ -735,10 +745,9 @@ class SchedulerCore(CoreView):
             self.balancer.stalls.started(step.spec.step_id, key, wid, now, self.settings.stall_seconds)
             actions.append(Assign(wid, req.spec, min(self._predicted(req.spec.prompt_token_ids),
                                                      float(req.spec.sampling.max_tokens))))
-        if running:
-            if self.settings.max_draft_jobs_beside_requests:
-                actions += self._plan_drafts(w, self._beside(w, len(running)))
-        elif not self._held:  # else work is due the moment the held draft results come
+        if plan and running and self.settings.max_draft_jobs_beside_requests:
+            actions += self._plan_drafts(w, self._beside(w, len(running)))
+        elif plan and not running and not self._held:  # held: work is due the moment the held results come
             actions += self._plan_drafts(w)
         self.timing.set_state(w, now)
         return actions
@@ -747,9 +756,17 @@ class SchedulerCore(CoreView):
         """Draft jobs ``w`` may run beside ``busy`` requests (never in a request's slot; none
         while future drafts do not pay or the trainer's gaps are long,
         ``CoreSettings.max_draft_jobs_beside_requests``)."""
-        if self._future_saving < BESIDE_MIN_SAVING or self._long_gap:
+        if self._long_gap or not self._future_drafts_pay():
             return 0
         return max(0, min(self.settings.max_draft_jobs_beside_requests, w.capacity - busy))
+
+    def _future_drafts_pay(self) -> bool:
+        """Whether completions show future drafts paying (``BESIDE_MIN_SAVING``). Before any
+        completion was offered one: yes through the first step (``draft_beside_first_step``),
+        no after it (where workers propose no draft tokens, nothing will ever show them paying)."""
+        if self._future_saving < 0:
+            return self._last_finish is None and self.settings.draft_beside_first_step
+        return self._future_saving >= BESIDE_MIN_SAVING
 
     def _next_for(self, w: WorkerState) -> str | None:
         if self._held:  # a step's own prompts wait for their stopped draft jobs' results (``_stop_arrived``)

@@ -204,7 +204,7 @@ def test_cancel_aborts_running_and_finishes_step():
 
 
 def test_dead_worker_releases_its_stopped_draft_jobs():
-    core, _ = make_core()
+    core, _ = make_core(max_draft_jobs_beside_requests=0)  # drafting only once the worker is idle
     core.add_worker(hello("a", capacity=2))
     assigns = of(core.submit_step(step("s", 1, lookahead=[(7, 8)])), Assign)
     assert of(complete(core, assigns[0]), StartDraft)  # drafting in the gap after the step
@@ -215,7 +215,7 @@ def test_dead_worker_releases_its_stopped_draft_jobs():
 
 
 def test_drafting_goes_on_through_the_gap_until_the_next_policy():
-    core, _ = make_core()
+    core, _ = make_core(max_draft_jobs_beside_requests=0)  # drafting only once the worker is idle
     core.add_worker(hello("a", capacity=4))
     assigns = of(core.submit_step(step("s", 1, lookahead=[(7, 8), (9, 10)])), Assign)
     finished = complete(core, assigns[0])

@@ -35,16 +35,20 @@ def finish_with_future_drafts(core, a: Assign, drafted: int, accepted: int):
     return core.on_completion(a.worker_id, r.key, c)
 
 
-def test_jobs_run_beside_requests_only_once_future_drafts_were_accepted() -> None:
-    for drafted, accepted, beside in ((10, 9, 2), (10, 2, 0)):  # 9 or 2 of its 20 tokens from future drafts
+def test_jobs_run_beside_the_first_steps_requests_then_only_while_future_drafts_pay() -> None:
+    # after the first step: 9 of 20 tokens from future drafts pay, 2 do not, none offered shows nothing
+    for drafted, accepted, beside in ((10, 9, 2), (10, 2, 0), (0, 0, 0)):
         core, _ = make_core(max_draft_jobs_beside_requests=2)
         core.add_worker(hello("a", capacity=8))
         first = core.submit_step(prompts_step_with_lookahead("s1", [(5, 6), (5, 7)], [LONG]))
-        assert not of(first, StartDraft)  # nothing accepted yet: no job beside requests
-        done = finish_with_future_drafts(core, of(first, Assign)[0], drafted, accepted)
-        assert len(of(done, StartDraft)) == min(beside, 1)  # one upcoming prompt
+        # the first step: no draft can exist before it, so jobs run beside its requests (one upcoming prompt)
+        assert [j.job.prompt_token_ids for j in of(first, StartDraft)] == [LONG]
+        a, b = of(first, Assign)
+        complete(core, a)  # no future draft offered: the gate stays as it was
+        assert len(core.workers["a"].drafts) == 1
+        finish_with_future_drafts(core, b, drafted, accepted)  # ends the step; the idle worker drafts in the gap
         core.submit_step(prompts_step_with_lookahead("s2", [(5, 8), (5, 9)], [LONG, LONGER, LONGEST]))
-        assert len(core.workers["a"].drafts) == beside
+        assert len(core.workers["a"].drafts) == beside, (drafted, accepted)
 
 
 def with_history(core) -> None:
@@ -140,3 +144,15 @@ def test_no_job_runs_beside_requests_after_a_trainer_gap_as_long_as_the_step() -
         clock.now += gap
         core.submit_step(prompts_step_with_lookahead("s2", [(5, 7)], [LONG, LONGER, LONGEST]))
         assert len(core.workers["a"].drafts) == beside, gap  # the jobs it keeps beside its request
+
+
+def test_a_placement_plans_draft_jobs_once_after_every_request_is_placed() -> None:
+    # the balancer places a step one request at a time per worker: a job planned beside the
+    # first request would be stopped by the second (a start and a stop the worker pays for)
+    for capacity, jobs in ((2, 0), (3, 1)):
+        core = paying_core()
+        core.add_worker(hello("a", capacity=capacity))
+        core.add_worker(hello("b", capacity=capacity))
+        actions = core.submit_step(prompts_step_with_lookahead("s1", [(5, 6), (5, 7), (5, 8), (5, 9)], [LONG, LONGER]))
+        assert len(of(actions, Assign)) == 4 and not of(actions, StopDraft), capacity
+        assert len(of(actions, StartDraft)) == 2 * jobs, capacity

@@ -40,10 +40,11 @@ def drafts_after_a_seeded_step(c: SchedulerCore, seed: int) -> tuple[list[StartD
     c.add_worker(hello("a", capacity=16))
     sampling = SamplingParams(temperature=1.0, max_tokens=16, n=4, seed=seed)
     ahead = [(7, 8), (9, 10)]
-    assigns = [a for a in c.submit_step(step("s", sampling, lookahead=ahead)) if isinstance(a, Assign)]
+    submitted = c.submit_step(step("s", sampling, lookahead=ahead))
+    assigns = [a for a in submitted if isinstance(a, Assign)]
     c.announce([(11, 12)], sampling)
     request_seeds = {a.request.sampling.seed for a in assigns}
-    out = []
+    out = [x for x in submitted if isinstance(x, StartDraft)]  # the first step's jobs beside its requests
     for a in assigns:
         out += [x for x in c.on_completion("a", a.request.key, _done(a.request)) if isinstance(x, StartDraft)]
     return out, request_seeds
@@ -93,9 +94,9 @@ def test_requests_run_only_on_workers_returning_their_logprobs_mode():
 def test_draft_jobs_ask_for_the_drafting_workers_mode():
     c = core()
     c.add_worker(hello("r", "raw"))
-    c.submit_step(step("s", SamplingParams(max_tokens=8, logprobs_mode="raw"), lookahead=[(7, 8)]))
+    submitted = c.submit_step(step("s", SamplingParams(max_tokens=8, logprobs_mode="raw"), lookahead=[(7, 8)]))
     (a,) = [a for a in c.steps["s"].requests.values()]
-    jobs = [x for x in c.on_completion("r", a.spec.key, _done(a.spec)) if isinstance(x, StartDraft)]
+    jobs = [x for x in (*submitted, *c.on_completion("r", a.spec.key, _done(a.spec))) if isinstance(x, StartDraft)]
     assert jobs and all(j.job.sampling.logprobs_mode == "raw" for j in jobs)
 
 

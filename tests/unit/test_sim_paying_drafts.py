@@ -9,6 +9,7 @@ from bubblespec.bench.sim.engine import Member, SimulatedEngine
 from bubblespec.bench.sim.simulator import SimSettings, simulate
 from bubblespec.bench.sim.workload import AcceptanceModel, LengthModel, Workload
 from bubblespec.scheduler.core.drafting import paying_draft_tokens
+from bubblespec.scheduler.core.state import CoreSettings
 
 # a verify-heavy engine: one draft token costs as much as a whole decode step at batch 1
 COMPUTE_BOUND = CostProfile("compute-bound", base_seconds=2e-3, per_seq_seconds=1e-4, per_draft_token_seconds=2e-3,
@@ -50,14 +51,18 @@ def test_a_busy_compute_bound_batch_turns_drafting_off() -> None:
 
 def test_a_drafting_arm_is_not_slower_than_its_twin_where_verifying_is_expensive() -> None:
     workload = Workload(lengths=LengthModel(median_tokens=150, max_tokens=1024))
-    settings = SimSettings(capacity=32, samples=4)
 
-    def makespan(drafting: bool, acceptance: AcceptanceModel) -> float:
+    def makespans(drafting: bool, acceptance: AcceptanceModel, first_step: bool = True) -> list[float]:
+        settings = SimSettings(capacity=32, samples=4, core=CoreSettings(draft_beside_first_step=first_step))
         r = simulate("queue", 2, 256, 2, COMPUTE_BOUND, drafting, 0, workload=workload, settings=settings,
                      acceptance=acceptance)
-        return r.mean("makespan_seconds")
+        return [s.summary.makespan_seconds for s in r.steps]
 
-    plain = makespan(False, AcceptanceModel())
-    assert makespan(True, AcceptanceModel()) <= plain * 1.001
+    plain = makespans(False, AcceptanceModel())
+    # no draft job beside requests before completions show drafts paying: here they never do
+    assert sum(makespans(True, AcceptanceModel(), first_step=False)) <= sum(plain) * 1.001
+    # the default runs jobs beside the first step's requests before any evidence: that step pays for them
+    first = makespans(True, AcceptanceModel())[0]
+    assert plain[0] < first <= plain[0] * 1.08
     # the scenario discriminates: the fixed rule (min_accept_prob alone) drafts there and loses
-    assert makespan(True, AcceptanceModel(max_draft_tokens=8, paying=False)) > plain * 1.05
+    assert sum(makespans(True, AcceptanceModel(max_draft_tokens=8, paying=False), first_step=False)) > sum(plain) * 1.05
