@@ -15,7 +15,7 @@ import heapq
 import itertools
 import math
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from bubblespec.client.types import SamplingParams
@@ -104,12 +104,30 @@ class DraftPlanner:
         self.upcoming: dict[tuple[int, ...], Upcoming] = {}
         self._heap: list[tuple[int, float, int, tuple[int, ...]]] = []
         self._seq = itertools.count()
+        self._unpredicted: list[tuple[int, ...]] = []  # announced with no length to go by (``repredict``)
 
     def announce(self, token_ids: tuple[int, ...], sampling: SamplingParams, for_step: str, predicted: float) -> None:
         if token_ids in self.upcoming:
             return
         self.upcoming[token_ids] = Upcoming(token_ids, sampling, for_step, predicted_len=predicted)
+        if not predicted:
+            self._unpredicted.append(token_ids)
         self._push(token_ids)
+
+    def repredict(self, predicted: Callable[[tuple[int, ...]], float]) -> None:
+        """Predict again the prompts announced with no length to go by (before any response
+        was seen: the first step's lookahead), so that they are not drafted after every prompt
+        announced later for ever; ``predicted``: ``LengthHistory.predicted``."""
+        left = []
+        for key in self._unpredicted:
+            up = self.upcoming.get(key)
+            if up is None:
+                continue
+            up.predicted_len = predicted(key)
+            if not up.predicted_len:
+                left.append(key)
+            self._push(key)  # the entry under the old prediction is now stale (``pick``)
+        self._unpredicted = left
 
     def forget(self, token_ids: tuple[int, ...]) -> None:
         """The prompt's step has arrived: stop planning drafts for it."""

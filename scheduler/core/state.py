@@ -855,6 +855,7 @@ class SchedulerCore(CoreView):
         self.timing.flush(self.workers.values(), now)
         step.finished_at = now
         self._last_finish = (now, now - step.started_at)
+        self.planner.repredict(self.history.predicted)
         comps = step.completions.values()
         prov = _total(c.provenance for c in comps)
         step.summary = StepSummary(

@@ -4,6 +4,7 @@ a prompt whose stopped draft job has not reported yet (``SchedulerCore._stop_arr
 from __future__ import annotations
 
 from bubblespec.client.types import Completion, FinishReason, Prompt, Provenance, SamplingParams, SchedulingPolicy, SourceStats
+from bubblespec.scheduler.core.drafting import DraftPlanner
 from bubblespec.scheduler.core.state import HOLD_SECONDS
 from bubblespec.scheduler.core.types import Assign, StartDraft, StopDraft
 from bubblespec.scheduler.core.validate import Limits, build_step
@@ -156,3 +157,22 @@ def test_a_placement_plans_draft_jobs_once_after_every_request_is_placed() -> No
         actions = core.submit_step(prompts_step_with_lookahead("s1", [(5, 6), (5, 7), (5, 8), (5, 9)], [LONG, LONGER]))
         assert len(of(actions, Assign)) == 4 and not of(actions, StopDraft), capacity
         assert len(of(actions, StartDraft)) == 2 * jobs, capacity
+
+
+def test_prompts_announced_before_any_length_was_seen_are_predicted_again_later() -> None:
+    planner = DraftPlanner()
+    greedy = SamplingParams(temperature=0.0, max_tokens=200, n=1)
+    planner.announce((1, 2), greedy, "", 0.0)  # the first step's lookahead: no history, no prediction
+    planner.announce((1, 2, 3, 4, 5), greedy, "", 0.0)
+    planner.announce((7, 8, 9), greedy, "", 15.0)  # announced once lengths were known
+    planner.repredict(lambda ids: 5.0 * len(ids))  # the first step finished
+    assert [planner.pick().token_ids for _ in range(3)] == [(1, 2, 3, 4, 5), (7, 8, 9), (1, 2)]
+
+
+def test_a_finished_step_predicts_its_lookahead_again() -> None:
+    core, _ = make_core(max_draft_jobs_beside_requests=0)
+    core.add_worker(hello("a", capacity=1))
+    (a,) = of(core.submit_step(prompts_step_with_lookahead("s1", [(5, 6)], [(7, 8), (7, 8, 9, 10)])), Assign)
+    assert {u.predicted_len for u in core.planner.upcoming.values()} == {0.0}
+    done = complete(core, a, tokens=10)  # 5 tokens per prompt token: (7, 8, 9, 10) predicted longest
+    assert [j.job.prompt_token_ids for j in of(done, StartDraft)] == [(7, 8, 9, 10)]
