@@ -350,10 +350,10 @@ def main(args) -> int:
                   f"greedy) under {len(ARMS)} arms: {', '.join(a.name for a in ARMS)}.")
         args.model = args.model or await workload_model(story.say)
         _tell_start(story, args)
-        core = CoreSettings(max_draft_jobs_during_step=None if cfg.draft_jobs_during_step < 0 else cfg.draft_jobs_during_step)
+        core = CoreSettings(max_draft_jobs_during_step=None if cfg.draft_jobs_during_step < 0 else cfg.draft_jobs_during_step,
+                            draft_beside_first_step=cfg.draft_beside_first_step)
         if cfg.draft_jobs_beside_requests >= 0:
             core = replace(core, max_draft_jobs_beside_requests=cfg.draft_jobs_beside_requests)
-        core = replace(core, draft_beside_first_step=cfg.draft_beside_first_step)
         cluster = Cluster(SchedulerSettings(host="127.0.0.1", grpc_port=0, http_port=0, tokenizer=args.model, core=core),
                           _engine_settings(args), args.workers, progress=story.say)
         await cluster.start()
