@@ -14,7 +14,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -203,6 +203,57 @@ def _import_vllm():
     return vllm
 
 
+class KeyedCalls:
+    """Calls of ``call(keys) -> {key: value}`` for one key each, coalesced: at most one call
+    runs at a time, and the keys asked for while it runs go together in the next. ``get(key)``
+    answers ``call``'s value for the key (None where it has none), or raises what that call
+    raised. The proposer's stats of a finished request come from the engine core by an RPC
+    that takes any number of keys; a drafted step finishes dozens of requests within a few
+    passes, and one RPC each queued that many round trips between the engine's passes."""
+
+    def __init__(self, call: Callable[[list[str]], Awaitable[dict]]):
+        self._call = call
+        self._waiting: dict[str, list[asyncio.Future]] = {}
+        self._running: asyncio.Task | None = None
+
+    async def get(self, key: str):
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(key, []).append(future)
+        if self._running is None:
+            self._running = asyncio.ensure_future(self._drain())  # starts next tick: this tick's keys join it
+        return await future
+
+    async def _drain(self) -> None:
+        try:
+            while self._waiting:
+                batch, self._waiting = self._waiting, {}
+                try:
+                    values = await self._call(list(batch))
+                except asyncio.CancelledError:
+                    _settle(batch, error=RuntimeError("the engine call for these requests was cancelled"))
+                    raise
+                except Exception as exc:  # every key of this call gets its failure; the next call is tried
+                    _settle(batch, error=exc)
+                else:
+                    _settle(batch, values=values)
+        finally:
+            self._running = None
+            if self._waiting:  # cancelled with keys still waiting: none is left hanging
+                waiting, self._waiting = self._waiting, {}
+                _settle(waiting, error=RuntimeError("the engine call for these requests was cancelled"))
+
+
+def _settle(batch: dict[str, list[asyncio.Future]], values: dict | None = None, error: Exception | None = None) -> None:
+    for key, futures in batch.items():
+        for f in futures:
+            if f.done():  # its caller was cancelled
+                continue
+            if error is not None:
+                f.set_exception(error)
+            else:
+                f.set_result((values or {}).get(key))
+
+
 class VllmEngine:
     """A vLLM ``AsyncLLM`` with the BubbleSpec proposer attached."""
 
@@ -212,6 +263,7 @@ class VllmEngine:
         self._llm = None
         self._tokenizer = None
         self._expected: Checkpoint | None = None  # the start checkpoint: what a new policy must match
+        self._stats = KeyedCalls(self._pop_stats)  # the proposer's per-request stats, one RPC for many requests
 
     async def start(self) -> None:
         from bubblespec.worker.compat import require_supported_vllm
@@ -330,18 +382,24 @@ class VllmEngine:
     async def _provenance(self, key: str, num_tokens: int) -> Provenance:
         if not self.info.speculation:
             return Provenance(forward_passes=num_tokens)
-        stats = (await self._llm.collective_rpc("bubblespec_pop_stats", args=([key],)))[0].get(key)
+        stats = await self._stats.get(key)
         if stats is None:  # drafts disabled for this request: one token per pass
             return Provenance(forward_passes=num_tokens)
         sources = tuple(SourceStats(src, stats["drafted"][src], stats["accepted"][src])
                         for src in sorted(stats["drafted"]) if stats["drafted"][src])
         return Provenance(forward_passes=stats["forward_passes"], sources=sources)
 
+    async def _pop_stats(self, keys: list[str]) -> dict:
+        """The proposer's stats of ``keys``' requests, taken out of it (rank 0's: every rank
+        proposes the same); ``KeyedCalls`` batches the callers."""
+        assert self._llm is not None, "engine not started"
+        return (await self._llm.collective_rpc("bubblespec_pop_stats", args=(keys,)))[0]
+
     async def abort(self, key: str) -> None:
         if self._llm is not None:
             await self._llm.abort(key)
             if self.info.speculation:
-                await self._llm.collective_rpc("bubblespec_pop_stats", args=([key],))
+                await self._stats.get(key)
 
     async def load_weights(self, path: str) -> None:
         """Check the checkpoint against the one the engine started with (``checkpoint``), then
