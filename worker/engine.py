@@ -229,8 +229,9 @@ class KeyedCalls:
                 batch, self._waiting = self._waiting, {}
                 try:
                     values = await self._call(list(batch))
-                except asyncio.CancelledError:
-                    _settle(batch, error=RuntimeError("the engine call for these requests was cancelled"))
+                except asyncio.CancelledError:  # its keys wait again; ``finally`` fails every waiting one
+                    for key, futures in batch.items():
+                        self._waiting.setdefault(key, []).extend(futures)
                     raise
                 except Exception as exc:  # every key of this call gets its failure; the next call is tried
                     _settle(batch, error=exc)
@@ -238,7 +239,7 @@ class KeyedCalls:
                     _settle(batch, values=values)
         finally:
             self._running = None
-            if self._waiting:  # cancelled with keys still waiting: none is left hanging
+            if self._waiting:  # cancelled: no key is left hanging
                 waiting, self._waiting = self._waiting, {}
                 _settle(waiting, error=RuntimeError("the engine call for these requests was cancelled"))
 
