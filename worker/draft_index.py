@@ -251,8 +251,12 @@ class RequestDrafter:
         suffix: SuffixRule | None = None,
         prompt_tokens=(),
         predicted: float = 0.0,
+        draft_job: bool = False,
     ):
         self.key = key
+        self.draft_job = draft_job
+        """A draft job's generation: left out of the batch's makespan plan (``tail_drafts``),
+        drafted by the paying rule."""
         self.predicted = predicted
         """The scheduler's predicted response length (0: none), for the batch's plan where no
         candidate continues the request (``tail_drafts``)."""

@@ -347,8 +347,8 @@ class VllmEngine:
             ignore_eos=sp.ignore_eos, logprobs=None if request.draft_job else 0,
             detokenize=not request.draft_job or bool(sp.stop),
             output_kind=RequestOutputKind.DELTA, stream_interval=request.stream_tokens if request.stream_tokens > 1 else None,
-            extra_args={"bubblespec": {"key": request.key, "drafts": drafts,
-                                       "enabled": request.use_drafts, "predicted": request.predicted_tokens}},
+            extra_args={"bubblespec": {"key": request.key, "drafts": drafts, "enabled": request.use_drafts,
+                                       "predicted": request.predicted_tokens, "job": request.draft_job}},
         )
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:

@@ -13,7 +13,8 @@ before the runner exists as an attribute, so the worker calls ``collective_rpc
 ``extra_args["bubblespec"]`` layout::
 
     {"key": "<request key>", "drafts": [["future" | "history", <uint32 LE bytes>], ...],
-     "enabled": true, "predicted": <the scheduler's predicted response length, 0: none>}
+     "enabled": true, "predicted": <the scheduler's predicted response length, 0: none>,
+     "job": <true for a draft job's generation>}
 
 Where no candidate continues a request, it can draft from its own prompt + output (source
 ``suffix``, ``draft_index.SuffixRule``; engine setting ``self_suffix_drafting``, off by default).
@@ -24,7 +25,10 @@ Draft length: ``draft_index.DraftLength``. With the engine setting ``draft_token
 step, smoothed) and the paying rule picks each request's length from the two; until a rate is
 measured, and with the setting unset, the acceptance rule decides. With the setting and
 ``draft_for_makespan`` on, the rows a candidate continues get ``tail_drafts``' lengths instead
-(those that end the batch's last request soonest). The length only changes
+(those that end the batch's last request soonest), except a draft job's: a job has no place
+in the batch's end, and its candidate is its own partial draft from a run that was stopped
+(a step began, the weights changed), which the paying rule lets it verify many tokens a pass
+instead of generating it again one token a pass. The length only changes
 what is proposed, never what is accepted (docs/EXACTNESS.md). Each tensor-parallel rank
 measures its own clock, so ranks may pick different lengths; the drafts verified are the
 output rank's on every rank: vLLM takes a proposer's draft lists from the output rank
@@ -181,6 +185,8 @@ class BubbleSpecProposer:
         drafting the others deep only makes its passes slower."""
         plan: list[tuple[int, RequestDrafter, int, float]] = []  # (row, drafter, draft tokens left, undrafted tokens)
         for i, d, g in live:
+            if d.draft_job:  # the paying rule's length: a job catches up with its own partial draft
+                continue
             n = d.coverage(g)
             if n > 0:
                 plan.append((i, d, n, 0.0))
@@ -220,7 +226,7 @@ class BubbleSpecProposer:
         prompt = tuple(state.prompt_token_ids or ())
         drafter = RequestDrafter(cands, self.rule, key=extra["key"], prompt_hash=hash(prompt),
                                  prompt_len=len(prompt), suffix=self.suffix, prompt_tokens=prompt,
-                                 predicted=float(extra.get("predicted") or 0.0))
+                                 predicted=float(extra.get("predicted") or 0.0), draft_job=bool(extra.get("job")))
         self.drafters[req_id] = drafter
         return drafter
 

@@ -68,7 +68,7 @@ class Batch:
     requests leave the batch. ``run`` returns the time until the last one ended."""
 
     def __init__(self, lengths: list[int], makespan: bool, c: float = CPU_TINY_DRAFT_TOKEN, pass_seconds: float = 0.01,
-                 cover: list[int] | None = None, predicted: list[float] | None = None):
+                 cover: list[int] | None = None, predicted: list[float] | None = None, jobs: list[bool] | None = None):
         extra = {"cpu_sampler_fix": False, "draft_token_seconds": c, "makespan": makespan}
         config = SimpleNamespace(additional_config={"bubblespec": extra},
                                  speculative_config=SimpleNamespace(num_speculative_tokens=32),
@@ -81,26 +81,33 @@ class Batch:
         self.prompts = {rid: (5 + i, 6 + i, 7 + i) for i, rid in enumerate(self.answers)}
         cover = cover or lengths  # tokens of each answer its draft holds (a partial draft: fewer)
         predicted = predicted or [0.0] * len(lengths)  # the scheduler's predicted lengths (0: none)
+        jobs = jobs or [False] * len(lengths)  # draft jobs' rows (their drafts: their own partial runs)
         requests = {rid: SimpleNamespace(prompt_token_ids=list(self.prompts[rid]), sampling_params=SimpleNamespace(
             extra_args={"bubblespec": {"key": rid, "drafts": [["future", a[:n].astype("<u4").tobytes()]] if n else [],
-                                       "predicted": p}}))
-            for (rid, a), n, p in zip(self.answers.items(), cover, predicted)}
+                                       "predicted": p, "job": job}}))
+            for (rid, a), n, p, job in zip(self.answers.items(), cover, predicted, jobs)}
+        self.cover = dict(zip(self.answers, cover))
+        self.caught_up: dict[str, int] = {}  # request -> the pass at which it had generated its draft's tokens
         self.batch = SimpleNamespace(req_ids=list(requests))
         self.proposer.runner = SimpleNamespace(input_batch=self.batch, requests=requests)
         self.pass_seconds, self.c = pass_seconds, c
         self.generated = dict.fromkeys(self.answers, 0)
         self.drafts = {rid: [] for rid in self.answers}
         self.drafted = 0
+        self.passes = 0
 
     def run(self) -> float:
         while self.batch.req_ids:
             ids = list(self.batch.req_ids)
+            self.passes += 1
             self.now += self.pass_seconds + self.c * sum(len(self.drafts[r]) for r in ids)
             sampled = []
             for rid in ids:
                 take = min(len(self.drafts[rid]) + 1, len(self.answers[rid]) - self.generated[rid])
                 sampled.append(self.answers[rid][self.generated[rid]:self.generated[rid] + take].tolist())
                 self.generated[rid] += take
+                if self.generated[rid] >= self.cover[rid]:
+                    self.caught_up.setdefault(rid, self.passes)
             self.batch.req_ids = [r for r in ids if self.generated[r] < len(self.answers[r])]
             sampled = [s for r, s in zip(ids, sampled) if r in self.batch.req_ids]
             if not self.batch.req_ids:
@@ -148,3 +155,18 @@ def test_partial_drafts_never_make_the_rule_for_the_last_request_slower(lengths,
     on, off = Batch(lengths, makespan=True, cover=cover), Batch(lengths, makespan=False, cover=cover)
     assert on.run() <= off.run() * 1.001
     assert on.generated == off.generated == dict(zip(on.answers, lengths))
+
+
+def test_a_draft_job_catches_up_with_its_own_partial_draft_beside_an_undrafted_request():
+    """A draft job restarted after a stop (a step began) carries its earlier partial run as its
+    draft. Beside a long request no draft covers, the makespan plan would give it no draft
+    tokens (it ends before that request whatever it drafts), so it would generate its 120
+    tokens again one a pass; the paying rule lets it verify them many a pass."""
+    lengths, cover, predicted = [400, 300], [0, 120], [400.0, 0.0]
+    job = Batch(lengths, makespan=True, cover=cover, predicted=predicted, jobs=[False, True])
+    request = Batch(lengths, makespan=True, cover=cover, predicted=predicted, jobs=[False, False])
+    job.run(), request.run()
+    assert request.caught_up["r1"] >= 100  # as a request: about one token a pass
+    assert job.caught_up["r1"] <= 40, job.caught_up
+    assert job.generated == request.generated == dict(zip(job.answers, lengths))
+    assert job.passes == request.passes == 400  # the undrafted request ends the batch either way
