@@ -117,6 +117,7 @@ class WorkerAgent:
         self.connected = asyncio.Event()
         self.failed: Exception | None = None  # set when the engine died: run() raises it
         self._controls: set[asyncio.Task] = set()  # engine control calls, run one at a time in arrival order
+        self._stopped_jobs: set[asyncio.Task] = set()  # stopped draft jobs still cleaning up (``_stop_draft``)
         self._control_lock = asyncio.Lock()
         self._stopping = False
         self._progress: dict[str, int] = {}  # request key -> tokens, reports waiting for _flush_progress
@@ -255,7 +256,7 @@ class WorkerAgent:
             job = msg.draft_job
             self.tasks[f"draft:{job.job_id}"] = asyncio.create_task(self._run_draft(job))
         elif kind == "stop_draft":
-            await self._cancel(f"draft:{msg.stop_draft.job_id}")
+            self._stop_draft(f"draft:{msg.stop_draft.job_id}")
         elif kind == "control":
             task = asyncio.create_task(self._control(msg.control))  # a weight update may block for minutes
             self._controls.add(task)
@@ -267,9 +268,23 @@ class WorkerAgent:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
+    def _stop_draft(self, key: str) -> None:
+        """Cancel a draft job without waiting for its cleanup (the engine's abort, its partial
+        draft stored, its ``draft_result``: a few milliseconds each). A step's start stops up
+        to a worker's whole width of jobs; awaited one by one here, they held the step's
+        assignments queued behind them on the stream for tens of milliseconds. No request can
+        read the draft store too early: the scheduler holds a prompt's work until its stopped
+        job's result came (``SchedulerCore._stop_arrived``)."""
+        task = self.tasks.pop(key, None)
+        if task is not None:
+            task.cancel()
+            self._stopped_jobs.add(task)
+            task.add_done_callback(self._stopped_jobs.discard)
+
     async def _drop_all(self) -> None:
         for key in list(self.tasks):
             await self._cancel(key)
+        await asyncio.gather(*self._stopped_jobs, return_exceptions=True)  # stopped jobs too: none outlives this
 
     async def _load_policy(self, cmd: pb.LoadPolicy) -> None:
         """Load a policy in place. No generation spans a load: whatever still runs (none should:
@@ -434,11 +449,23 @@ class WorkerAgent:
             self.draft_seconds += time.monotonic() - started
             self.tasks.pop(key, None)
             self.draft_tokens.pop(job.job_id, None)
-            if tokens and self.store is not None:
-                entry = DraftEntry(tuple(tokens), job.policy_version, job.step_id, DraftSource.FUTURE, time.time())
-                await asyncio.shield(self.store.put_draft(prompt_key(prompt), entry))
-            self._send(draft_result=pb.DraftResult(job_id=job.job_id, tokens=len(tokens), finished=finished))
+            await self._keep_draft(job, prompt, tuple(tokens), finished)
 
+    async def _keep_draft(self, job: pb.DraftJob, prompt: tuple[int, ...], tokens: tuple[int, ...],
+                          finished: bool) -> None:
+        """Store a draft job's (partial) response, then report it (``draft_result``). The
+        scheduler holds a new step's requests for the prompt until this report, so that none
+        reads the store without the draft (``SchedulerCore._stop_arrived``). The report counts
+        what was stored: a failed store reports no tokens (logged), so no prompt counts as drafted without one."""
+        stored = 0
+        if tokens and self.store is not None:
+            entry = DraftEntry(tokens, job.policy_version, job.step_id, DraftSource.FUTURE, time.time())
+            try:
+                await asyncio.shield(self.store.put_draft(prompt_key(prompt), entry))
+                stored = len(tokens)
+            except Exception as exc:  # noqa: BLE001 - a lost draft costs speed, never a result
+                logger.warning("draft job %s: its %d tokens were not stored: %s", job.job_id, len(tokens), exc)
+        self._send(draft_result=pb.DraftResult(job_id=job.job_id, tokens=stored, finished=finished and stored > 0))
 
 BATCH_BYTES = 2**20
 """Most bytes of completions in one ``completions`` batch (a larger single one goes alone):
