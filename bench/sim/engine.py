@@ -261,14 +261,12 @@ class SimulatedEngine:
         """Begin a phase at (m.p0, m.pos0): with drafts while one covers the position; past it,
         self-drafts when ``suffix_alpha`` is set (a what-if), else one token per pass."""
         k, alpha, m.suffix_phase = 0, m.alpha, False
-        if m.job:
-            pass  # draft jobs decode one token per pass
-        elif drafts and m.pos0 < m.draft_len:  # ``drafts`` False: its draft just ran out
+        if drafts and m.pos0 < m.draft_len:  # a job too (its prompt's stored draft); ``drafts`` False: it just ran out
             # only ``commit`` (and its ``_rerate``) start phases with drafts, after setting
             # ``self.cap`` to the cap of the batch as it is: batch_cap(len(self.members));
             # ``planned``: the k ``_rerate`` just took from the rule for this very phase
             k = self._rule(alpha, self.cap, self.threshold) if planned is None else planned
-        elif m.suffix_alpha > 0:
+        elif m.suffix_alpha > 0 and not m.job:
             alpha, m.suffix_phase = m.suffix_alpha, True
             k = self._rule(alpha, self.acceptance.batch_cap(len(self.members)), self.threshold)
         m.k = k
@@ -294,8 +292,6 @@ class SimulatedEngine:
 
     def _rerate(self, cap: int) -> None:
         """The batch size crossed a draft-cap threshold: re-plan members whose k changes."""
-        if self.jobs:
-            return  # a batch of draft jobs (they never draft): nothing to re-plan
         threshold, passes = self.threshold, self.passes  # fixed here
         rule = self._rule
         # The paying rule, ``paying_draft_tokens(alpha, cap, threshold, 1.0)``, for the usual case
@@ -306,7 +302,7 @@ class SimulatedEngine:
         log_t = math.log(threshold) if fast else 0.0
         log, floor = math.log, math.floor
         for m in self.members.values():
-            if m.job or not m.started:
+            if not m.started:
                 continue
             if not m.k and not m.suffix_phase and m.pos0 >= m.draft_len:
                 continue  # past its draft (its position is at least pos0), no self-drafts: k stays 0

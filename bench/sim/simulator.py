@@ -606,6 +606,9 @@ class _Simulation:
         else:
             length = lm.length(lm.median_tokens, 0.0)
         m = Member(a.job.job_id, length, job=True, prompt_tokens=self.workload.prompt_tokens, payload=a.job)
+        stored = self.future.get(ids, 0)
+        if stored:  # the prompt's stored draft (a stopped job's partial): verified first, as a real job does
+            m.draft_len, m.source, m.alpha = min(stored, length), "future", self.acceptance.alpha("future", 0.0)
         self.engines[a.worker_id].add(self.now, m)
         self.dirty[a.worker_id] = None
         if self.log is not None:

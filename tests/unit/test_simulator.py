@@ -383,3 +383,17 @@ def test_self_drafting_is_a_what_if_that_is_off_by_default() -> None:
     p = what_if.steps[0].summary.provenance
     assert p.accepted("suffix") > 0 and p.forward_passes + p.accepted() == what_if.steps[0].summary.generated_tokens
     assert what_if.steps[0].makespan_seconds < plain.steps[0].makespan_seconds
+
+
+def test_a_draft_job_started_again_verifies_its_prompts_stored_partial_first() -> None:
+    """As a real worker's job does (``worker/proposer.py``): the simulator hands a job its
+    prompt's stored draft (``Simulator._start_draft``); past it, one token a pass."""
+    e = engine()
+    e.add(0.0, Member("again", 500, job=True, draft_len=200, source="future", alpha=0.9))
+    e.add(0.0, Member("fresh", 500, job=True))
+    e.commit(0.0)
+    passes = e.passes
+    t = 0.5
+    fresh, again = e.tokens("fresh", t), e.tokens("again", t)
+    assert fresh == round(e.passes - passes) and fresh < 60
+    assert again >= 200 > 2 * fresh  # its 200 tokens verified many a pass, then one a pass
