@@ -75,6 +75,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-jobs-beside-requests", type=int, default=CoreSettings.max_draft_jobs_beside_requests,
                    help="draft jobs a busy worker runs beside its requests, for the upcoming prompts predicted "
                         "longest (CoreSettings.max_draft_jobs_beside_requests; 0: drafting only in bubbles and gaps)")
+    p.add_argument("--min-requests-beside-draft-jobs", type=int,
+                   default=CoreSettings.min_requests_beside_draft_jobs,
+                   help="no draft job starts beside fewer requests than this on a worker (its tail), "
+                        "CoreSettings.min_requests_beside_draft_jobs; 0: at any count")
     p.add_argument("--draft-beside-first-step", action=argparse.BooleanOptionalAction,
                    default=CoreSettings.draft_beside_first_step,
                    help="draft jobs beside the first step's requests, before completions show whether future "
@@ -168,6 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = SimSettings(capacity=args.capacity, samples=args.samples, train_seconds=args.train_seconds,
                            tail_requests=max(0, args.tail),
                            core=CoreSettings(max_draft_jobs_beside_requests=args.draft_jobs_beside_requests,
+                                             min_requests_beside_draft_jobs=args.min_requests_beside_draft_jobs,
                                              draft_beside_first_step=args.draft_beside_first_step))
     print(f"profile {profile.name} ({profile.source}); requests/step {args.requests}, {args.samples} samples/prompt, "
           f"capacity {args.capacity}, {args.steps} steps, seeds {args.seed}..{args.seed + max(1, args.seeds) - 1}",

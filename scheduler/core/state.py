@@ -130,6 +130,17 @@ class CoreSettings:
     long as the last step, the idle workers draft in it what a step's worth of passes can (a
     draft needs as many passes as its response has tokens, and a step lasts about as many
     passes as its longest response), and jobs beside requests would only slow the step."""
+    min_requests_beside_draft_jobs: int = 0
+    """No draft job starts beside fewer requests than this on a worker (0: at any count). A
+    job is one more sequence in every pass: beside a full batch a small share of the pass,
+    beside the few requests a worker holds at its tail a larger one, and those requests are
+    what the step's end waits for. Measured on an H100 (bench/pass_cost.py) a sequence adds
+    222 us to a 7.5 ms pass: four jobs beside one long request slow it by 12%. With 8, the
+    simulator (measured profile, 3 seeds) gave queue+drafts 1.27x and 1.25x at 64 and 512
+    workers against 1.19x and 1.17x with 0; the real bench here (bubbles only, 3 sets of 3
+    runs alternating) 1.09x, 1.02x, 1.30x against 1.84x, 1.57x, 1.26x with 0: there the jobs
+    beside the tail make the next step's drafts, whose acceptance is far above the simulator's
+    assumed 0.7. Hence 0 by default (docs/SIMULATOR.md); raise it where acceptance is lower."""
     draft_beside_first_step: bool = True
     """Run draft jobs beside the first step's requests, before any completion can show whether
     future drafts pay (none can exist before that step; the jobs beside its requests are what
@@ -754,9 +765,9 @@ class SchedulerCore(CoreView):
 
     def _beside(self, w: WorkerState, busy: int) -> int:
         """Draft jobs ``w`` may run beside ``busy`` requests (never in a request's slot; none
-        while future drafts do not pay or the trainer's gaps are long,
-        ``CoreSettings.max_draft_jobs_beside_requests``)."""
-        if self._long_gap or not self._future_drafts_pay():
+        beside fewer than ``min_requests_beside_draft_jobs``, while future drafts do not pay or
+        while the trainer's gaps are long; ``CoreSettings.max_draft_jobs_beside_requests``)."""
+        if busy < self.settings.min_requests_beside_draft_jobs or self._long_gap or not self._future_drafts_pay():
             return 0
         return max(0, min(self.settings.max_draft_jobs_beside_requests, w.capacity - busy))
 

@@ -176,3 +176,21 @@ def test_a_finished_step_predicts_its_lookahead_again() -> None:
     assert {u.predicted_len for u in core.planner.upcoming.values()} == {0.0}
     done = complete(core, a, tokens=10)  # 5 tokens per prompt token: (7, 8, 9, 10) predicted longest
     assert [j.job.prompt_token_ids for j in of(done, StartDraft)] == [(7, 8, 9, 10)]
+
+
+def test_no_job_starts_beside_fewer_requests_than_the_minimum_where_one_is_set() -> None:
+    """A job beside the few requests of a worker's tail slows what the step's end waits for
+    (``CoreSettings.min_requests_beside_draft_jobs``)."""
+    few, eight = [(5, 6), (5, 7), (5, 8)], [(5, i) for i in range(6, 14)]
+    for prompts, minimum, expected in ((few, 8, 0), (few, 3, 2), (few, 0, 2), (eight, 8, 2)):
+        core = paying_core(max_draft_jobs_beside_requests=2, min_requests_beside_draft_jobs=minimum)
+        core.add_worker(hello("a", capacity=16))
+        actions = core.submit_step(prompts_step_with_lookahead("s", prompts, [LONG, LONGER, LONGEST]))
+        assert len(of(actions, Assign)) == len(prompts)
+        assert len(of(actions, StartDraft)) == expected, (len(prompts), minimum)
+    # eight requests and two jobs: one request done leaves seven, and an ended job is not replaced
+    assigns = of(actions, Assign)
+    complete(core, assigns[0])
+    job = next(iter(core.workers["a"].drafts))
+    after = core.on_draft_result("a", job, tokens=30, finished=True)
+    assert not of(after, StartDraft) and len(core.workers["a"].drafts) == 1
