@@ -136,9 +136,10 @@ class Model:
                         "gate_up": w(d, 2 * s.ffn), "down": w(s.ffn, d),
                         "n1": torch.ones(d, device=device, dtype=dtype),
                         "n2": torch.ones(d, device=device, dtype=dtype)} for _ in range(s.layers)]
-        self.caches: list[tuple] = []
+        self.caches: list[tuple] = []  # the rest is set by ``prepare`` for each measured shape
         self.mask = None
         self.rope: tuple | None = None
+        self.ctx = 0
 
     def prepare(self, batch: int, ctx: int, q_len: int, kv_budget_bytes: int) -> int:
         """Allocate caches for ``batch`` x ``ctx + q_len`` tokens (random contents), the mask and
@@ -304,9 +305,7 @@ def measure(args: argparse.Namespace) -> dict:
     return report
 
 
-def print_fit(report: dict) -> None:
-    fit = fit_profile(report)
-    report["fit"] = fit
+def print_fit(fit: dict) -> None:
     print(f"fit over {fit['points_used']} points (batch x k <= {fit['token_budget']}): "
           f"base {fit['base_seconds'] * 1e3:.3f} ms, per seq {fit['per_seq_seconds'] * 1e6:.2f} us, "
           f"per draft token {fit['per_draft_token_seconds'] * 1e6:.2f} us, "
@@ -339,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
             report = json.load(f)
     else:
         report = measure(args)
-    print_fit(report)
+    report["fit"] = fit_profile(report)
+    print_fit(report["fit"])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
