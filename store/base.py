@@ -71,9 +71,12 @@ class DraftStore(Protocol):
         """Counters since the store was opened."""
         ...
 
-    async def put_draft(self, prompt_key: str, entry: DraftEntry) -> None:
+    async def put_draft(self, prompt_key: str, entry: DraftEntry) -> bool:
         """Add ``entry`` as the newest draft of the prompt, drop the oldest beyond the bound
-        ``max_entries_per_prompt`` and restart the prompt's TTL."""
+        ``max_entries_per_prompt`` and restart the prompt's TTL. Returns whether the entry is
+        now stored: False for an entry over ``max_entry_bytes`` (not written, counted in
+        ``oversized_entries``). A caller that reports a draft as made (a draft job's result)
+        counts only what this returned True for."""
         ...
 
     async def get_drafts(self, prompt_keys: Sequence[str]) -> dict[str, list[DraftEntry]]:

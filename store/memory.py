@@ -60,14 +60,15 @@ class MemoryStore:
     def stats(self) -> StoreStats:
         return self._stats.snapshot()
 
-    async def put_draft(self, prompt_key: str, entry: DraftEntry) -> None:
+    async def put_draft(self, prompt_key: str, entry: DraftEntry) -> bool:
         check_prompt_key(prompt_key)
         encoded = encode_entry(entry)
         with self._op():
             if len(encoded) > self._settings.max_entry_bytes:  # dropped like Redis drops it
                 self._stats.record_oversized()
-                return
+                return False
             self._push(self._drafts, prompt_key, encoded, self._settings.max_entries_per_prompt)
+        return True
 
     async def get_drafts(self, prompt_keys: Sequence[str]) -> dict[str, list[DraftEntry]]:
         keys = unique_prompt_keys(prompt_keys)

@@ -73,7 +73,7 @@ class RedisStore:
     def stats(self) -> StoreStats:
         return self._stats.snapshot()
 
-    async def put_draft(self, prompt_key: str, entry: DraftEntry) -> None:
+    async def put_draft(self, prompt_key: str, entry: DraftEntry) -> bool:
         key = draft_key(self._settings.key_prefix, check_prompt_key(prompt_key))
         bound = self._settings.max_entries_per_prompt
         encoded = encode_entry(entry)
@@ -81,8 +81,9 @@ class RedisStore:
             self._stats.record_oversized()
             logger.warning("draft store: not writing a %d-byte draft of prompt %s (max_entry_bytes %d)",
                            len(encoded), prompt_key, self._settings.max_entry_bytes)
-            return
+            return False
         await self._push("put_draft", key, encoded, bound)
+        return True
 
     async def get_drafts(self, prompt_keys: Sequence[str]) -> dict[str, list[DraftEntry]]:
         keys = unique_prompt_keys(prompt_keys)

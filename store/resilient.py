@@ -1,7 +1,8 @@
 """ResilientStore: a DraftStore wrapper that never raises store failures to its callers.
 
 Drafts are an optimisation: losing them makes decoding slower, never different. So on
-``StoreError`` the wrapper returns empty results or drops the write, and a small circuit
+``StoreError`` the wrapper returns empty results or drops the write (``put_draft`` then returns
+False, so a caller never reports a draft the store does not hold), and a small circuit
 breaker leaves the backend alone for ``retry_after_seconds`` before the next attempt, so a
 dead Redis costs one timeout per window instead of one per call.
 
@@ -69,9 +70,11 @@ class ResilientStore:
         """The inner store's counters (its ``errors`` include the failures absorbed here)."""
         return self._inner.stats
 
-    async def put_draft(self, prompt_key: str, entry: DraftEntry) -> None:
+    async def put_draft(self, prompt_key: str, entry: DraftEntry) -> bool:
+        """False where the entry is not stored: the backend failed, the breaker is open, or
+        the inner store dropped it (oversized). Never True for a write that did not happen."""
         check_prompt_key(prompt_key)
-        await self._guard(lambda: self._inner.put_draft(prompt_key, entry), None)
+        return await self._guard(lambda: self._inner.put_draft(prompt_key, entry), False)
 
     async def get_drafts(self, prompt_keys: Sequence[str]) -> dict[str, list[DraftEntry]]:
         keys = unique_prompt_keys(prompt_keys)

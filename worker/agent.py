@@ -456,16 +456,20 @@ class WorkerAgent:
         """Store a draft job's (partial) response, then report it (``draft_result``). The
         scheduler holds a new step's requests for the prompt until this report, so that none
         reads the store without the draft (``SchedulerCore._stop_arrived``). The report counts
-        what was stored: a failed store reports no tokens (logged), so no prompt counts as
-        drafted without one."""
+        what was stored: a write the store refused (``put_draft`` False: Redis down, the breaker
+        open, an oversized entry) or that raised reports no tokens (logged), so no prompt counts
+        as drafted without one."""
         stored = 0
         if tokens and self.store is not None:
             entry = DraftEntry(tokens, job.policy_version, job.step_id, DraftSource.FUTURE, time.time())
+            why = "the draft store did not take it"
             try:
-                await asyncio.shield(self.store.put_draft(prompt_key(prompt), entry))
-                stored = len(tokens)
+                if await asyncio.shield(self.store.put_draft(prompt_key(prompt), entry)):
+                    stored = len(tokens)
             except Exception as exc:  # noqa: BLE001 - a lost draft costs speed, never a result
-                logger.warning("draft job %s: its %d tokens were not stored: %s", job.job_id, len(tokens), exc)
+                why = str(exc)
+            if not stored:
+                logger.warning("draft job %s: its %d tokens were not stored: %s", job.job_id, len(tokens), why)
         self._send(draft_result=pb.DraftResult(job_id=job.job_id, tokens=stored, finished=finished and stored > 0))
 
 

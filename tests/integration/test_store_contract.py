@@ -219,15 +219,15 @@ async def test_stats_ping_and_close(backend: Backend) -> None:
 async def test_oversized_drafts_are_dropped_on_write_and_counted(backend: Backend) -> None:
     store = backend.make(max_entry_bytes=1024)
     big = DraftEntry(tuple(range(300)), 1, "step-big", DraftSource.FUTURE, 1.0)  # 1,242 bytes encoded
-    await store.put_draft(PROMPT_A, entry(1))
-    await store.put_draft(PROMPT_A, big)  # dropped, not raised: drafts only cost speed
+    assert await store.put_draft(PROMPT_A, entry(1)) is True
+    assert await store.put_draft(PROMPT_A, big) is False  # dropped, not raised: drafts only cost speed
     assert await store.get_drafts([PROMPT_A]) == {PROMPT_A: [entry(1)]}
     assert store.stats.oversized_entries == 1 and store.stats.errors == 0
 
 
 async def test_resilient_wrapper_passes_results_through(backend: Backend) -> None:
     store = ResilientStore(backend.make(), backend.settings())
-    await store.put_draft(PROMPT_A, entry(1))
+    assert await store.put_draft(PROMPT_A, entry(1)) is True
     await store.record_length(PROMPT_A, 9)
     assert await store.get_drafts([PROMPT_A, PROMPT_B]) == {PROMPT_A: [entry(1)], PROMPT_B: []}
     assert await store.get_lengths([PROMPT_A]) == {PROMPT_A: [9]}
@@ -423,7 +423,7 @@ async def test_resilient_store_rides_out_a_killed_redis() -> None:
         server.kill()
         assert await store.get_drafts([PROMPT_A, PROMPT_B]) == {PROMPT_A: [], PROMPT_B: []}
         assert not store.available and inner.stats.errors == 1
-        await store.put_draft(PROMPT_A, entry(2))  # dropped without calling Redis
+        assert await store.put_draft(PROMPT_A, entry(2)) is False  # dropped without calling Redis
         assert await store.get_lengths([PROMPT_A]) == {PROMPT_A: []}
         assert inner.stats.errors == 1 and store.skipped_ops == 2
 

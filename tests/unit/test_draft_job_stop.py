@@ -13,8 +13,9 @@ import asyncio
 
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.client.types import FinishReason, Provenance
-from bubblespec.store import prompt_key
+from bubblespec.store import ResilientStore, StoreSettings, prompt_key
 from bubblespec.store.memory import MemoryStore
+from bubblespec.store.types import StoreUnavailable
 from bubblespec.worker.agent import WorkerAgent, WorkerSettings
 from bubblespec.worker.engine import EngineInfo, EngineOutput, EngineRequest
 
@@ -49,6 +50,13 @@ class SlowAbortEngine:
 class FailingStore(MemoryStore):
     async def put_draft(self, prompt_key, entry):
         raise ConnectionError("store down")
+
+
+class UnreachableStore(MemoryStore):
+    """A backend whose writes fail as Redis's do when it cannot be reached."""
+
+    async def put_draft(self, prompt_key, entry):
+        raise StoreUnavailable("connection refused")
 
 
 def _job(job_id: str) -> pb.SchedulerMessage:
@@ -114,3 +122,40 @@ async def test_a_draft_the_store_refused_is_reported_as_no_tokens() -> None:
     [result] = _results(agent)
     assert (result.tokens, result.finished) == (0, False)  # not counted as a draft the store does not hold
     assert engine.events == ["abort draft:d1 begins", "abort draft:d1 ends"]
+
+
+async def _report_of_one_stopped_job(store) -> pb.DraftResult:
+    engine = SlowAbortEngine(tokens=tuple(range(11, 311)))  # 300 tokens: 1,242 bytes encoded
+    engine.release.set()
+    agent = WorkerAgent(WorkerSettings(worker_id="w"), engine, store)  # type: ignore[arg-type]
+    await asyncio.wait_for(_stop_when_generating(agent, engine, "d1"), 5)
+    await asyncio.wait_for(agent._drop_all(), 5)
+    [result] = _results(agent)
+    return result
+
+
+async def test_a_draft_the_resilient_store_dropped_is_reported_as_no_tokens() -> None:
+    """Workers reach Redis through ``ResilientStore``, which never raises: a write it dropped
+    (backend down, then the breaker open) must still not be reported as a stored draft."""
+    store = ResilientStore(UnreachableStore(), StoreSettings(retry_after_seconds=60.0))
+    first = await _report_of_one_stopped_job(store)
+    assert (first.tokens, first.finished) == (0, False) and not store.available
+    second = await _report_of_one_stopped_job(store)  # breaker open: dropped without a call
+    assert (second.tokens, second.finished) == (0, False)
+    assert store.skipped_ops == 2  # the job's draft lookup and its write
+
+
+async def test_an_oversized_draft_is_reported_as_no_tokens() -> None:
+    store = MemoryStore(StoreSettings(max_entry_bytes=1024))
+    result = await _report_of_one_stopped_job(store)
+    assert (result.tokens, result.finished) == (0, False)
+    assert store.stats.oversized_entries == 1
+    assert (await store.get_drafts([prompt_key(PROMPT)]))[prompt_key(PROMPT)] == []
+
+
+async def test_a_stored_draft_is_reported_with_its_tokens_through_the_resilient_store() -> None:
+    store = ResilientStore(MemoryStore(), StoreSettings())
+    result = await _report_of_one_stopped_job(store)
+    assert result.tokens == 300
+    [entry] = (await store.get_drafts([prompt_key(PROMPT)]))[prompt_key(PROMPT)]
+    assert len(entry.tokens) == 300
