@@ -3,7 +3,9 @@ scheduler on loopback gRPC with its step journal on a real redis-server, a scrip
 real WorkerLink stream, and the worker agent's outgoing stream.
 
 - The agent sends the completions that end within ``completion_batch_seconds`` of the last
-  completion message it sent in one ``completions`` batch, in order; a full batch goes at once.
+  completion message it sent in one ``completions`` batch, in order; a full batch goes at once,
+  and so does a batch once no request is left running on the worker (nothing more can join it;
+  the step's end waits for it).
 - A completion delivered with a journal is not encoded again: the journal record and the
   trainer's stream carry the worker's own message (its worker id stamped).
 - Assignments reuse the encoding of their sampling parameters; each still carries its own.
@@ -49,8 +51,16 @@ def _shape(msg: pb.WorkerMessage) -> list[str]:
     return [msg.completion.request_key]
 
 
+def _running(agent: WorkerAgent, key: str) -> asyncio.Task:
+    """A request that runs on ``agent`` until cancelled (``agent._untrack(key)`` ends it)."""
+    task = asyncio.create_task(asyncio.Event().wait())
+    agent.tasks[key] = task
+    return task
+
+
 async def test_the_agent_sends_completions_that_end_within_the_gap_in_one_message_in_order():
     agent = WorkerAgent(WorkerSettings(worker_id="w", completion_batch_seconds=3.0), engine=None)  # type: ignore[arg-type]
+    running = _running(agent, "still-running")  # the gap holds completions only while others may end
     stream = agent._outgoing()
     agent.outbox.put_nowait(_worker_completion("k0"))
     assert _shape(await anext(stream)) == ["k0"]  # the first after a quiet spell: alone, not held for the gap
@@ -66,11 +76,35 @@ async def test_the_agent_sends_completions_that_end_within_the_gap_in_one_messag
     agent.outbox.put_nowait(None)
     assert _shape(await second) == ["k1", "k2", "k3"]
     assert [m async for m in stream] == []  # the stream ends after the batch
+    running.cancel()
+
+
+async def test_the_last_running_request_ending_sends_the_waiting_batch_at_once():
+    agent = WorkerAgent(WorkerSettings(worker_id="w", completion_batch_seconds=600.0), engine=None)  # type: ignore[arg-type]
+    running = _running(agent, "last")
+    draft_job = _running(agent, "draft:j1")  # a draft job sends no completion: it holds nothing back
+    stream = agent._outgoing()
+    agent.outbox.put_nowait(_worker_completion("k0"))
+    assert _shape(await anext(stream)) == ["k0"]
+    agent.outbox.put_nowait(_worker_completion("k1"))
+    batch = asyncio.create_task(anext(stream))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not batch.done()  # held for the 600 s gap while "last" may still end and join
+    agent.outbox.put_nowait(_worker_completion("k2"))
+    agent._untrack("last")  # the last request's completion is queued: nothing more can come
+    assert _shape(await asyncio.wait_for(batch, 60)) == ["k1", "k2"]  # the bound only ends a hang
+    agent.outbox.put_nowait(_worker_completion("k3"))  # no request running: not held at all
+    assert _shape(await asyncio.wait_for(anext(stream), 60)) == ["k3"]
+    await stream.aclose()
+    running.cancel()
+    draft_job.cancel()
 
 
 async def test_a_full_batch_already_waiting_does_not_wait_for_the_gap(monkeypatch):
     monkeypatch.setattr(agent_module, "BATCH_MAX", 3)
     agent = WorkerAgent(WorkerSettings(worker_id="w", completion_batch_seconds=600.0), engine=None)  # type: ignore[arg-type]
+    running = _running(agent, "still-running")
     stream = agent._outgoing()
     agent.outbox.put_nowait(_worker_completion("k0"))
     assert _shape(await anext(stream)) == ["k0"]
@@ -79,6 +113,7 @@ async def test_a_full_batch_already_waiting_does_not_wait_for_the_gap(monkeypatc
     full = await asyncio.wait_for(anext(stream), 60)  # not held for the 600 s gap: the bound only ends a hang
     assert _shape(full) == ["k1", "k2", "k3"]
     await stream.aclose()  # k4 would wait for the gap
+    running.cancel()
 
 
 async def test_without_a_gap_only_the_completions_queued_together_share_a_message():
