@@ -101,7 +101,8 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     _add(p, "redis-password", "", "draft store password")
     _add(p, "redis-tls-ca-file", "", "PEM CA for rediss://")
     _add(p, "completion-batch-seconds", 0.05, "a completion ending within this long of the worker's last "
-         "completion message waits out the gap and goes with those ending meanwhile in one message (0 = no wait)")
+         "completion message waits out the gap and goes with those ending meanwhile in one message, unless no "
+         "request is left running on the worker (0 = no wait)")
     _add(p, "metrics-port", 8081, "HTTP port for /metrics and /healthz (-1 = off)")
     _add(p, "shutdown-seconds", 90.0, "on SIGTERM: exit after this long even if the drain has not finished")
     _engine_flags(p)

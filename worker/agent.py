@@ -68,7 +68,8 @@ class WorkerSettings:
     """Shortest gap between two completion messages: a completion that ends within this long of
     the last one sent waits for the rest of the gap, and every completion queued meanwhile goes
     with it in one ``completions`` batch (fewer, larger messages for the scheduler to read); one
-    that ends after a quieter spell goes at once. 0 = only those queued at the same moment."""
+    that ends after a quieter spell goes at once, and so does a batch once no request is left
+    running on the worker (the step's end waits for it). 0 = only those queued at the same moment."""
     reconnect_initial_seconds: float = 0.2
     """First reconnect delay; doubles up to reconnect_max_seconds."""
     reconnect_max_seconds: float = 2.0
