@@ -59,6 +59,8 @@ def _engine_flags(p: argparse.ArgumentParser, speculative_tokens: int = 8, draft
     _add(p, "max-num-seqs", 64, "concurrent requests per engine (capacity)")
     _add(p, "num-speculative-tokens", speculative_tokens, "most draft tokens per request per step; the draft "
          "token budget lowers it at larger batches (0 = no speculation)")
+    _add(p, "draft-token-budget", 256, "most draft tokens one engine step verifies over its whole batch (each "
+         "request's share: budget // batch)")
     _add(p, "tensor-parallel-size", 1, "GPUs per engine")
     _add(p, "kv-cache-memory-bytes", 256 * 2**20, "KV cache size for CPU engines")
     _add(p, "dtype", "auto", "weights dtype (auto: the checkpoint's on CPU engines, vLLM's choice on GPUs)")

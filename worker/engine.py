@@ -117,6 +117,8 @@ class EngineSettings:
                              f"separated by '|', got {self.cpu_cores!r:.40}")
         if not (math.isfinite(self.draft_token_seconds) and self.draft_token_seconds >= 0):
             raise ValueError(f"draft_token_seconds: must be a finite number >= 0, got {self.draft_token_seconds!r:.40}")
+        if not (isinstance(self.draft_token_budget, int) and self.draft_token_budget >= 1):
+            raise ValueError(f"draft_token_budget: must be an int >= 1, got {self.draft_token_budget!r:.40}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode: must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r:.40}")
 

@@ -45,7 +45,8 @@ async def test_a_core_this_process_cannot_use_fails_the_start_before_any_engine_
 
 @pytest.mark.parametrize(("flag", "value", "field"), [("--cpu-cores", "3-1", "cpu_cores"),
                                                       ("--logprobs-mode", "bogus", "logprobs_mode"),
-                                                      ("--draft-token-seconds", "-1", "draft_token_seconds")])
+                                                      ("--draft-token-seconds", "-1", "draft_token_seconds"),
+                                                      ("--draft-token-budget", "0", "draft_token_budget")])
 def test_a_bad_engine_flag_ends_the_command_with_the_setting_named(flag, value, field, monkeypatch):
     """No engine, no scheduler dialled: the command ends before either, with one line naming the setting."""
     from bubblespec.cli import main as cli
@@ -55,3 +56,12 @@ def test_a_bad_engine_flag_ends_the_command_with_the_setting_named(flag, value, 
     with pytest.raises(SystemExit) as exc:
         cli.main(["worker", "--scheduler", "127.0.0.1:9", flag, value])
     assert str(exc.value).startswith(f"bubblespec: bad engine flag: {field}:")
+
+
+def test_the_draft_token_budget_flag_reaches_the_engine_settings():
+    from bubblespec.cli.commands import _engine_settings
+    from bubblespec.cli.main import build_parser
+
+    args = build_parser().parse_args(["worker", "--scheduler", "127.0.0.1:9", "--draft-token-budget", "1024"])
+    assert _engine_settings(args).draft_token_budget == 1024
+    assert _engine_settings(build_parser().parse_args(["worker"])).draft_token_budget == EngineSettings().draft_token_budget
