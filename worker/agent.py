@@ -43,6 +43,11 @@ nothing. Draft jobs stream every token: a preempted job keeps the tokens it has 
 _TRANSFERRED = "weight-transfer:"  # weights path of a version a trainer pushed by weight transfer: no directory
 
 
+DRAFT_PREFIX = "draft:"
+"""Prefix of a draft job's key in ``WorkerAgent.tasks`` (and the engine's request key); every
+other key there is a request's."""
+
+
 @dataclass(frozen=True)
 class WorkerSettings:
     scheduler: str = "localhost:50051"
@@ -244,12 +249,12 @@ class WorkerAgent:
 
     def _requests_running(self) -> bool:
         """Whether any assignment (not a draft job) is still running on this worker."""
-        return any(not key.startswith("draft:") for key in self.tasks)
+        return any(not key.startswith(DRAFT_PREFIX) for key in self.tasks)
 
     def _untrack(self, key: str) -> asyncio.Task | None:
         """Take ``key``'s task out of ``tasks``; a request's end wakes a waiting completion batch."""
         task = self.tasks.pop(key, None)
-        if task is not None and not key.startswith("draft:"):
+        if task is not None and not key.startswith(DRAFT_PREFIX):
             self._request_ended.set()
         return task
 
@@ -281,9 +286,9 @@ class WorkerAgent:
             await self._load_policy(msg.load_policy)
         elif kind == "draft_job":
             job = msg.draft_job
-            self.tasks[f"draft:{job.job_id}"] = asyncio.create_task(self._run_draft(job))
+            self.tasks[DRAFT_PREFIX + job.job_id] = asyncio.create_task(self._run_draft(job))
         elif kind == "stop_draft":
-            self._stop_draft(f"draft:{msg.stop_draft.job_id}")
+            self._stop_draft(DRAFT_PREFIX + msg.stop_draft.job_id)
         elif kind == "control":
             task = asyncio.create_task(self._control(msg.control))  # a weight update may block for minutes
             self._controls.add(task)
@@ -455,7 +460,7 @@ class WorkerAgent:
         await self.store.record_length(pk, len(c.token_ids))
 
     async def _run_draft(self, job: pb.DraftJob) -> None:
-        key = f"draft:{job.job_id}"
+        key = DRAFT_PREFIX + job.job_id
         prompt = tuple(job.prompt_token_ids)
         tokens: Sequence[int] = ()
         finished = False

@@ -23,6 +23,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from bubblespec.telemetry import Histogram, MetricSpec, family
+from bubblespec.worker.agent import DRAFT_PREFIX
 
 __all__ = ["DRAFT_STORE_OP_BUCKETS", "WORKER_METRICS", "MetricSpec", "WorkerMetrics", "render"]
 
@@ -78,7 +79,7 @@ class WorkerMetrics(Collector):
         if a is None:
             return
         tasks = list(a.tasks)  # one C-level copy: scrapes run on a thread, the loop mutates
-        drafts = sum(1 for key in tasks if key.startswith("draft:"))
+        drafts = sum(1 for key in tasks if key.startswith(DRAFT_PREFIX))
         yield from (
             family(_SPECS["bubblespec_worker_info"], [((a.worker_id,), 1)]),
             family(_SPECS["bubblespec_worker_connected"], [((), 1 if a.connected.is_set() else 0)]),
