@@ -76,6 +76,8 @@ class BenchConfig:
     this machine (docs/BENCHMARKS.md)."""
     draft_beside_first_step: bool = True
     """The scheduler's ``draft_beside_first_step`` (docs/BENCHMARKS.md has both)."""
+    spread_samples: bool = False
+    """The scheduler's ``spread_samples`` (docs/BENCHMARKS.md has both)."""
     seed: int = 0
     runs: int = 1
     """Times every arm runs (on the same engines, arm order rotated per run); the table gives
@@ -317,7 +319,8 @@ def _config(args) -> BenchConfig:
                        train_seconds=args.train_seconds, update_scale=args.update_scale, seed=args.seed,
                        draft_jobs_during_step=args.draft_jobs_during_step,
                        draft_jobs_beside_requests=args.draft_jobs_beside_requests,
-                       draft_beside_first_step=args.draft_beside_first_step, runs=args.runs)
+                       draft_beside_first_step=args.draft_beside_first_step, spread_samples=args.spread_samples,
+                       runs=args.runs)
 
 
 def _tell_results(say, report: dict, cfg: BenchConfig) -> None:
@@ -351,7 +354,7 @@ def main(args) -> int:
         args.model = args.model or await workload_model(story.say)
         _tell_start(story, args)
         core = CoreSettings(max_draft_jobs_during_step=None if cfg.draft_jobs_during_step < 0 else cfg.draft_jobs_during_step,
-                            draft_beside_first_step=cfg.draft_beside_first_step)
+                            draft_beside_first_step=cfg.draft_beside_first_step, spread_samples=cfg.spread_samples)
         if cfg.draft_jobs_beside_requests >= 0:
             core = replace(core, max_draft_jobs_beside_requests=cfg.draft_jobs_beside_requests)
         cluster = Cluster(SchedulerSettings(host="127.0.0.1", grpc_port=0, http_port=0, tokenizer=args.model, core=core),

@@ -150,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "upcoming prompts predicted longest (-1 = the scheduler's default, 4)")
     _add(bench, "draft-beside-first-step", True, "draft jobs beside the first step's requests, before completions "
                                                  "show whether future drafts pay (the scheduler's default: on)")
+    _add(bench, "spread-samples", False, "hand out the shared queue a request at a time, a prompt's samples spread "
+                                         "over the workers (the scheduler's default: off, a sample group at a time)")
     _add(bench, "runs", 1, "times every arm runs on the same engines (arm order rotated per run); "
          "the table gives each run's speedup and their median")
     _add(bench, "json", "", "write the report here")

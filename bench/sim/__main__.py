@@ -83,6 +83,9 @@ def _parser() -> argparse.ArgumentParser:
                    default=CoreSettings.draft_beside_first_step,
                    help="draft jobs beside the first step's requests, before completions show whether future "
                         "drafts pay, CoreSettings.draft_beside_first_step (default: %(default)s)")
+    p.add_argument("--spread-samples", action=argparse.BooleanOptionalAction, default=CoreSettings.spread_samples,
+                   help="hand out the shared queue a request at a time, a prompt's samples spread over the workers "
+                        "(Seer), not a sample group at a time, CoreSettings.spread_samples (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (lengths, acceptance); every policy sees the same")
     p.add_argument("--seeds", type=int, default=1,
                    help="run seeds --seed .. --seed+N-1; a row shows medians over them and each seed's speedup")
@@ -173,7 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                            tail_requests=max(0, args.tail),
                            core=CoreSettings(max_draft_jobs_beside_requests=args.draft_jobs_beside_requests,
                                              min_requests_beside_draft_jobs=args.min_requests_beside_draft_jobs,
-                                             draft_beside_first_step=args.draft_beside_first_step))
+                                             draft_beside_first_step=args.draft_beside_first_step,
+                                             spread_samples=args.spread_samples))
     print(f"profile {profile.name} ({profile.source}); requests/step {args.requests}, {args.samples} samples/prompt, "
           f"capacity {args.capacity}, {args.steps} steps, seeds {args.seed}..{args.seed + max(1, args.seeds) - 1}",
           flush=True)

@@ -148,6 +148,15 @@ class CoreSettings:
     (``max_draft_jobs_beside_requests``). Off: none until the evidence shows drafts paying, for
     engines where a draft token is known to cost more than it saves (the simulator's
     compute-bound profile ran its first step 4.5-7% slower with it on; docs/SIMULATOR.md)."""
+    spread_samples: bool = False
+    """Hand out a step's shared queue one request at a time, so that a prompt's samples (whose
+    lengths go together) spread over the workers, as Seer does; off: one sample group at a
+    time, so that a worker has its prompt's other samples running beside a request, to draft
+    from (source ``sibling``). The simulator (homogeneous workers, no sibling drafts) gives
+    ``queue`` 1.12x and 1.10x of ``static`` at 64 and 512 workers with it, against 1.05x and
+    1.01x without; the real bench here, where two engines share two cores with the control
+    process, gave ``queue`` 0.86-0.92x with it against 0.93-1.02x without (docs/BENCHMARKS.md,
+    docs/SIMULATOR.md). Hence off by default; on where each worker has its own CPUs."""
     timeline_segments: int = 256
     """Timeline segments kept per worker (for the UI)."""
     max_active_steps: int = 16
@@ -720,8 +729,8 @@ class SchedulerCore(CoreView):
     # ------------------------------------------------------------- dispatch --
 
     def _fill_all(self) -> list[Action]:
-        """Spread available work: one sample group at a time to the worker with the fewest
-        predicted tokens to go (core/balance.py)."""
+        """Spread available work: one sample group at a time (one request at a time with
+        ``spread_samples``) to the worker with the fewest predicted tokens to go (core/balance.py)."""
         actions = self.balancer.fill(self._group_size())
         for w in self.workers.values():
             actions += self._fill(w, limit=0)  # idle workers without work: drafts
@@ -729,7 +738,7 @@ class SchedulerCore(CoreView):
 
     def _group_size(self) -> int:
         step = self._current_step()
-        return step.spec.sampling.n if step is not None else 1
+        return step.spec.sampling.n if step is not None and not self.settings.spread_samples else 1
 
     def _fill(self, w: WorkerState, limit: int | None = None, plan: bool = True) -> list[Action]:
         """Give ``w`` up to ``limit`` more requests (default: up to its capacity), then plan its

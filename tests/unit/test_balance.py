@@ -75,6 +75,23 @@ def test_where_the_step_fits_sample_groups_stay_together_and_every_request_runs_
     assert sorted(seen) == sorted(set(seen)) and len(seen) == 12
 
 
+def test_spread_samples_places_each_prompts_samples_on_different_workers():
+    """``spread_samples``: the queue is handed out a request at a time, so a prompt's samples
+    (whose lengths go together) land on different workers; every request still runs once."""
+    core, _ = make_core(spread_samples=True)
+    core.add_worker(hello("a", capacity=6))
+    core.add_worker(hello("b", capacity=6))
+    prompts = [tuple(range(5, 5 + 2 + 3 * i)) for i in range(6)]  # 6 prompts x 2 samples, room for all 12
+    assigns = of(core.submit_step(prompts_step("s", prompts, n=2)), Assign)
+    assert len(assigns) == 12 and {w: len(ids) for w, ids in split(assigns).items()} == {"a": 6, "b": 6}
+    workers = {}
+    for a in assigns:
+        workers.setdefault(a.request.prompt_id, set()).add(a.worker_id)
+    assert all(ws == {"a", "b"} for ws in workers.values())  # one sample of every prompt on each worker
+    seen = _run_to_the_end(core, assigns)
+    assert sorted(seen) == sorted(set(seen)) and len(seen) == 12
+
+
 def test_where_the_step_does_not_fit_one_sample_of_every_prompt_starts_first_and_every_request_runs_once():
     core, _ = make_core()
     core.add_worker(hello("a", capacity=4))
