@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bubblespec.scheduler.core.state import CoreSettings
 from bubblespec.scheduler.settings import SchedulerSettings
 from bubblespec.store import StoreSettings
 from bubblespec.worker.engine import EngineSettings
@@ -36,7 +37,14 @@ def _scheduler_settings(a: argparse.Namespace, **over) -> SchedulerSettings:
                   journal_finished_ttl_seconds=a.journal_finished_ttl_seconds,
                   weight_transfer_backend=getattr(a, "weight_transfer_backend", "") or None)
     fields.update(over)
-    return SchedulerSettings(**fields)
+    try:
+        fields.setdefault("core", CoreSettings(
+            spread_samples=a.spread_samples, max_draft_jobs_beside_requests=a.draft_jobs_beside_requests,
+            min_requests_beside_draft_jobs=a.min_requests_beside_draft_jobs,
+            draft_beside_first_step=a.draft_beside_first_step))
+        return SchedulerSettings(**fields)
+    except ValueError as exc:
+        raise SystemExit(f"bubblespec: bad scheduler flag: {exc}") from None
 
 
 def _engine_settings(a: argparse.Namespace) -> EngineSettings:

@@ -51,6 +51,18 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
     _add(p, "tls-client-ca-file", "", "PEM CA for client certificates (mutual TLS)")
     _add(p, "default-policy", "queue", "policy of steps that name none: static | queue | longest-first")
     _add(p, "default-logprobs-mode", "processed", "logprobs of steps that name none: processed | raw")
+    from bubblespec.scheduler.core.state import CoreSettings  # pure: no grpc, vLLM or torch
+
+    defaults = CoreSettings()
+    _add(p, "spread-samples", defaults.spread_samples, "hand out the shared queue a request at a time, a prompt's samples "
+         "over different workers, not a sample group at a time (CoreSettings.spread_samples; on where each worker has "
+         "its own CPUs: docs/SIMULATOR.md)")
+    _add(p, "draft-jobs-beside-requests", defaults.max_draft_jobs_beside_requests, "draft jobs a busy worker runs beside its "
+         "requests (CoreSettings.max_draft_jobs_beside_requests; 0: drafting only in bubbles and the trainer's gaps)")
+    _add(p, "min-requests-beside-draft-jobs", defaults.min_requests_beside_draft_jobs, "no draft job starts beside fewer "
+         "requests than this on a worker (CoreSettings.min_requests_beside_draft_jobs; 0: at any count)")
+    _add(p, "draft-beside-first-step", defaults.draft_beside_first_step, "draft jobs beside the first step's requests, "
+         "before completions show whether future drafts pay (CoreSettings.draft_beside_first_step)")
 
 
 def _engine_flags(p: argparse.ArgumentParser, speculative_tokens: int = 8, draft_token_seconds: float = 0.0) -> None:

@@ -176,6 +176,12 @@ class CoreSettings:
     straggler, or never started on a worker that left, is not an attempt. Without a cap, a
     request that breaks every worker (or its stream) would go round them forever."""
 
+    def __post_init__(self) -> None:
+        for name in ("max_draft_jobs_per_worker", "max_draft_jobs_beside_requests", "min_requests_beside_draft_jobs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}: must be a whole number >= 0, got {value!r:.40}")
+
 
 class SchedulerCore(CoreView):
     """The scheduling state machine: worker events in (``handle``), trainer calls in

@@ -1,0 +1,54 @@
+"""`bubblespec scheduler` (and `up`) flags for the scheduling core's tunables, with their
+BUBBLESPEC_* environment variables: each sets its ``CoreSettings`` field, and a bad count is
+refused at start naming the setting (``CoreSettings.__post_init__``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bubblespec.cli.commands import _scheduler_settings
+from bubblespec.cli.main import build_parser
+from bubblespec.scheduler.core.state import CoreSettings
+
+
+def settings(*argv: str, command: str = "scheduler"):
+    return _scheduler_settings(build_parser().parse_args([command, *argv]))
+
+
+def test_without_flags_the_core_has_its_defaults() -> None:
+    assert settings().core == CoreSettings()
+
+
+def test_each_flag_sets_its_field() -> None:
+    core = settings("--spread-samples", "--draft-jobs-beside-requests", "2", "--min-requests-beside-draft-jobs", "8",
+                    "--no-draft-beside-first-step").core
+    assert core.spread_samples is True
+    assert core.max_draft_jobs_beside_requests == 2
+    assert core.min_requests_beside_draft_jobs == 8
+    assert core.draft_beside_first_step is False
+    assert core.max_draft_jobs_per_worker == CoreSettings().max_draft_jobs_per_worker  # the rest untouched
+
+
+def test_up_takes_the_same_flags() -> None:
+    assert settings("--spread-samples", "--draft-jobs-beside-requests", "0", command="up").core == CoreSettings(
+        spread_samples=True, max_draft_jobs_beside_requests=0)
+
+
+def test_environment_sets_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BUBBLESPEC_SPREAD_SAMPLES", "true")
+    monkeypatch.setenv("BUBBLESPEC_DRAFT_JOBS_BESIDE_REQUESTS", "16")
+    core = settings().core
+    assert core.spread_samples is True and core.max_draft_jobs_beside_requests == 16
+
+
+@pytest.mark.parametrize(("flag", "field"), [("--draft-jobs-beside-requests", "max_draft_jobs_beside_requests"),
+                                             ("--min-requests-beside-draft-jobs", "min_requests_beside_draft_jobs")])
+def test_a_negative_count_is_refused_naming_the_setting(flag: str, field: str) -> None:
+    with pytest.raises(SystemExit, match=f"bad scheduler flag: {field}: must be a whole number >= 0, got -1"):
+        settings(flag, "-1")
+
+
+@pytest.mark.parametrize("value", [-1, 2.5, True])
+def test_core_settings_refuse_a_count_that_is_not_a_whole_number_at_least_zero(value) -> None:
+    with pytest.raises(ValueError, match="max_draft_jobs_per_worker: must be a whole number >= 0"):
+        CoreSettings(max_draft_jobs_per_worker=value)
