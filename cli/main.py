@@ -25,7 +25,8 @@ def _env(name: str, default):
 def _add(p: argparse.ArgumentParser, flag: str, default, help: str) -> None:
     value = _env(flag, default)
     if isinstance(default, bool):
-        p.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=value, help=help)
+        p.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=value,
+                       help=f"{help} (default: {'on' if value else 'off'})")
     else:
         p.add_argument(f"--{flag}", type=type(default), default=value, help=f"{help} (default: %(default)s)")
 
@@ -161,9 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add(bench, "draft-jobs-beside-requests", -1, "draft jobs per busy worker beside its requests, for the "
                                                   "upcoming prompts predicted longest (-1 = the scheduler's default, 4)")
     _add(bench, "draft-beside-first-step", True, "draft jobs beside the first step's requests, before completions "
-                                                 "show whether future drafts pay (the scheduler's default: on)")
+                                                 "show whether future drafts pay (the scheduler's default)")
     _add(bench, "spread-samples", False, "hand out the shared queue a request at a time, a prompt's samples spread "
-                                         "over the workers (the scheduler's default: off, a sample group at a time)")
+                                         "over the workers, not a sample group at a time (the scheduler's default)")
     _add(bench, "runs", 1, "times every arm runs on the same engines (arm order rotated per run); "
          "the table gives each run's speedup and their median")
     _add(bench, "json", "", "write the report here")
