@@ -15,11 +15,25 @@ import sys
 __all__ = ["main"]
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
 def _env(name: str, default):
-    raw = os.environ.get("BUBBLESPEC_" + name.upper().replace("-", "_"))
+    """The flag's ``BUBBLESPEC_<FLAG>`` variable as the flag's type, else ``default``. A value
+    that is not one (``BUBBLESPEC_SPREAD_SAMPLES=ture``, ``BUBBLESPEC_GRPC_PORT=80a``) ends the
+    command naming the variable: read as off, or as a traceback, it would start something else."""
+    var = "BUBBLESPEC_" + name.upper().replace("-", "_")
+    raw = os.environ.get(var)
     if raw is None:
         return default
-    return type(default)(raw) if not isinstance(default, bool) else raw.lower() in ("1", "true", "yes")
+    if isinstance(default, bool):
+        if raw.strip().lower() in _TRUE + _FALSE:
+            return raw.strip().lower() in _TRUE
+        raise SystemExit(f"bubblespec: {var}={raw!r:.40} is not a boolean (1/true/yes/on or 0/false/no/off)")
+    try:
+        return type(default)(raw)
+    except ValueError:
+        raise SystemExit(f"bubblespec: {var}={raw!r:.40} is not a valid {type(default).__name__}") from None
 
 
 def _add(p: argparse.ArgumentParser, flag: str, default, help: str) -> None:

@@ -52,3 +52,28 @@ def test_a_negative_count_is_refused_naming_the_setting(flag: str, field: str) -
 def test_core_settings_refuse_a_count_that_is_not_a_whole_number_at_least_zero(value) -> None:
     with pytest.raises(ValueError, match="max_draft_jobs_per_worker: must be a whole number >= 0"):
         CoreSettings(max_draft_jobs_per_worker=value)
+
+
+@pytest.mark.parametrize("raw", ["1", "TRUE", "yes", "on", " on "])
+def test_a_boolean_variable_reads_the_usual_spellings_of_on(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    monkeypatch.setenv("BUBBLESPEC_SPREAD_SAMPLES", raw)
+    assert settings().core.spread_samples is True
+
+
+@pytest.mark.parametrize("raw", ["0", "false", "No", "off", ""])
+def test_a_boolean_variable_reads_the_usual_spellings_of_off(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    monkeypatch.setenv("BUBBLESPEC_DRAFT_BESIDE_FIRST_STEP", raw)
+    assert settings().core.draft_beside_first_step is False
+
+
+@pytest.mark.parametrize(("var", "raw", "message"), [
+    ("BUBBLESPEC_SPREAD_SAMPLES", "ture", "BUBBLESPEC_SPREAD_SAMPLES='ture' is not a boolean"),
+    ("BUBBLESPEC_DRAFT_JOBS_BESIDE_REQUESTS", "four", "BUBBLESPEC_DRAFT_JOBS_BESIDE_REQUESTS='four' is not a valid int"),
+    ("BUBBLESPEC_ORPHAN_GRACE_SECONDS", "30s", "BUBBLESPEC_ORPHAN_GRACE_SECONDS='30s' is not a valid float"),
+])
+def test_a_variable_that_is_not_its_flags_type_ends_the_command_naming_it(
+        monkeypatch: pytest.MonkeyPatch, var: str, raw: str, message: str) -> None:
+    """Read as off (or as a traceback) it would start a scheduler other than the one asked for."""
+    monkeypatch.setenv(var, raw)
+    with pytest.raises(SystemExit, match=message):
+        build_parser()
