@@ -28,6 +28,8 @@ Usage (on a GPU machine; only torch and numpy are needed)::
 
 ``fit_profile`` (used by the tests and by ``--fit FILE``) turns the measured points into the
 profile's constants: least squares over the points inside the draft-length rule's regime.
+``fit_context_profile`` fits them with the context as a variable too (the simulator's
+``gpu-h100-7b-context`` profile), where the report has a context sweep.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-__all__ = ["LlamaShape", "fit_profile", "main"]
+__all__ = ["LlamaShape", "fit_context_profile", "fit_profile", "main"]
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,35 @@ def fit_profile(report: dict, token_budget: int = 256) -> dict:
     return {"base_seconds": base, "per_seq_seconds": per_seq, "per_draft_token_seconds": per_draft,
             "prefill_per_token_seconds": per_prompt, "points_used": len(used), "token_budget": token_budget,
             "max_rel_error": max(errors), "median_rel_error": statistics.median(errors), "outside": outside}
+
+
+def fit_context_profile(report: dict, token_budget: int = 256) -> dict:
+    """The context-aware profile's decode constants: every decode and context-sweep point with
+    ``batch * k <= token_budget`` fits ``base + per_seq * batch + per_context_token * batch * ctx
+    + per_draft_token * batch * k + per_draft_context_token * batch * k * ctx`` (each sequence
+    holds ``ctx`` tokens and verifies ``k``). Raises ``ValueError`` unless the points span two
+    contexts. ``flat_median_rel_error`` is the context-blind fit's over the same points."""
+    used = [p for p in [*report["decode"], *report.get("context", [])] if p["batch"] * p["k"] <= token_budget]
+    if len({p["ctx"] for p in used}) < 2:
+        raise ValueError("context points: need decode points at two or more contexts")
+    if len({p["batch"] for p in used}) < 2 or len({p["batch"] * p["k"] for p in used}) < 2:
+        raise ValueError("decode points: need at least two batch sizes and two draft-token totals inside the budget")
+    ys = [p["seconds"] for p in used]
+
+    def rows(p: dict) -> list[float]:
+        b, k, c = p["batch"], p["k"], p["ctx"]
+        return [1.0, b, b * c, b * k, b * k * c]
+
+    coef = _lstsq([rows(p) for p in used], ys)
+    flat = _lstsq([rows(p)[:2] + rows(p)[3:4] for p in used], ys)
+    errors = [abs(sum(c * x for c, x in zip(coef, rows(p))) - y) / y for p, y in zip(used, ys)]
+    flat_errors = [abs(sum(c * x for c, x in zip(flat, rows(p)[:2] + rows(p)[3:4])) - y) / y for p, y in zip(used, ys)]
+    base, per_seq, per_ctx, per_draft, per_draft_ctx = coef
+    return {"base_seconds": base, "per_seq_seconds": per_seq, "per_context_token_seconds": per_ctx,
+            "per_draft_token_seconds": per_draft, "per_draft_context_token_seconds": per_draft_ctx,
+            "points_used": len(used), "token_budget": token_budget, "max_rel_error": max(errors),
+            "median_rel_error": statistics.median(errors), "flat_median_rel_error": statistics.median(flat_errors),
+            "flat_max_rel_error": max(flat_errors)}
 
 
 # ------------------------------------------------------------------------------------ the model
@@ -340,6 +371,14 @@ def main(argv: list[str] | None = None) -> int:
         report = measure(args)
     report["fit"] = fit_profile(report)
     print_fit(report["fit"])
+    if len({p["ctx"] for p in [*report["decode"], *report.get("context", [])]}) > 1:
+        c = report["context_fit"] = fit_context_profile(report)
+        print(f"fit with the context over {c['points_used']} points: base {c['base_seconds'] * 1e3:.3f} ms, "
+              f"per seq {c['per_seq_seconds'] * 1e6:.2f} us + {c['per_context_token_seconds'] * 1e9:.1f} ns per context "
+              f"token, per draft token {c['per_draft_token_seconds'] * 1e6:.2f} us + "
+              f"{c['per_draft_context_token_seconds'] * 1e9:.2f} ns per context token; relative error median "
+              f"{c['median_rel_error']:.3f}, max {c['max_rel_error']:.3f} (context-blind over the same points: "
+              f"{c['flat_median_rel_error']:.3f}, {c['flat_max_rel_error']:.3f})")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

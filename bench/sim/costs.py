@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CPU_TINY", "GPU_H100_7B", "GPU_H100_7B_PUBLISHED", "PROFILES", "CostProfile"]
+__all__ = ["CPU_TINY", "GPU_H100_7B", "GPU_H100_7B_CONTEXT", "GPU_H100_7B_PUBLISHED", "PROFILES", "CostProfile"]
 
 
 @dataclass(frozen=True)
@@ -34,20 +34,38 @@ class CostProfile:
     """Cost per prompt token prefilled (charged once, when a request or draft job joins)."""
     source: str = ""
     """Where the constants come from."""
+    per_context_token_seconds: float = 0.0
+    """Extra cost per token of a sequence's context (prompt + generated) in each pass: its KV
+    read. 0: context-blind, ``per_seq_seconds`` stands for a typical context."""
+    per_draft_context_token_seconds: float = 0.0
+    """Extra cost per draft token per token of its sequence's context (attention over the
+    context for each verified position). 0: a draft token costs the same at any context."""
+
+    @property
+    def context_aware(self) -> bool:
+        return self.per_context_token_seconds > 0 or self.per_draft_context_token_seconds > 0
 
     def __post_init__(self) -> None:
-        for name in ("base_seconds", "per_seq_seconds", "per_draft_token_seconds", "prefill_per_token_seconds"):
+        for name in ("base_seconds", "per_seq_seconds", "per_draft_token_seconds", "prefill_per_token_seconds",
+                     "per_context_token_seconds", "per_draft_context_token_seconds"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.base_seconds + self.per_seq_seconds <= 0:
             raise ValueError("a forward pass must take some time: base_seconds + per_seq_seconds > 0")
 
-    def step_seconds(self, batch_size: int, draft_tokens_total: int = 0, prefill_tokens: int = 0) -> float:
+    def step_seconds(self, batch_size: int, draft_tokens_total: int = 0, prefill_tokens: int = 0,
+                     context_tokens: float = 0.0, draft_context_tokens: float = 0.0) -> float:
         """Seconds of one forward pass over ``batch_size`` sequences verifying ``draft_tokens_total``
-        draft tokens in all and prefilling ``prefill_tokens`` prompt tokens."""
-        return (self.base_seconds + self.per_seq_seconds * batch_size
-                + self.per_draft_token_seconds * draft_tokens_total
-                + self.prefill_per_token_seconds * prefill_tokens)
+        draft tokens in all and prefilling ``prefill_tokens`` prompt tokens; with a context-aware
+        profile, the sequences hold ``context_tokens`` tokens in all, and ``draft_context_tokens``
+        is the sum over sequences of their draft tokens times their context."""
+        seconds = (self.base_seconds + self.per_seq_seconds * batch_size
+                   + self.per_draft_token_seconds * draft_tokens_total
+                   + self.prefill_per_token_seconds * prefill_tokens)
+        if context_tokens or draft_context_tokens:
+            seconds += (self.per_context_token_seconds * context_tokens
+                        + self.per_draft_context_token_seconds * draft_context_tokens)
+        return seconds
 
     def prefill_seconds(self, prompt_tokens: int) -> float:
         """Seconds added to a pass that prefills ``prompt_tokens`` tokens."""
@@ -92,6 +110,24 @@ GPU_H100_7B = CostProfile(
            "CUDA graphs, 1,024-token contexts (bench/measurements/h100-llama7b-mha.json)",
 )
 
+GPU_H100_7B_CONTEXT = CostProfile(
+    name="gpu-h100-7b-context",
+    # The same report as gpu-h100-7b, fitted with the context as a variable: least squares over
+    # its 63 points with batch x k <= 256 (the 48 at 1,024 tokens and 15 of the context sweep:
+    # batch 1, 8 and 64 at 256, 4,096 and 8,192 tokens, k 0 and 8), by `fit_context_profile` in
+    # bench/pass_cost.py. Median relative error 5.1%, at most 31% (the context-blind fit over the
+    # same 63 points: 16.9%, at most 124%). Left out: at batch 1 the first draft tokens cost more
+    # (8 drafts at 1,024 tokens add 1.11 ms measured, 0.29 ms fitted).
+    base_seconds=7.52e-3,
+    per_seq_seconds=5.17e-5,
+    per_draft_token_seconds=3.27e-5,
+    prefill_per_token_seconds=3.08e-5,
+    per_context_token_seconds=1.65e-7,
+    per_draft_context_token_seconds=3.85e-9,
+    source="bench/pass_cost.py on one H100 80GB HBM3, 2026-11-24: Llama-2-7B shape in plain PyTorch, bfloat16, "
+           "CUDA graphs, 256- to 8,192-token contexts, fitted with the context (bench/measurements/h100-llama7b-mha.json)",
+)
+
 GPU_H100_7B_PUBLISHED = CostProfile(
     name="gpu-h100-7b-published",
     # The gpu-h100-7b profile until 2026-11-24, kept to compare: results under it and under the
@@ -110,5 +146,6 @@ GPU_H100_7B_PUBLISHED = CostProfile(
     source="published vLLM benchmark figures for a 7B model on one H100, approximate",
 )
 
-PROFILES: dict[str, CostProfile] = {p.name: p for p in (CPU_TINY, GPU_H100_7B, GPU_H100_7B_PUBLISHED)}
+PROFILES: dict[str, CostProfile] = {p.name: p for p in (CPU_TINY, GPU_H100_7B, GPU_H100_7B_CONTEXT,
+                                                        GPU_H100_7B_PUBLISHED)}
 """Profiles by CLI name."""

@@ -14,6 +14,14 @@ last token), every member of a batch advances one pass per pass, so a heap order
 count at which each boundary falls stays valid when the batch grows or shrinks; only the
 seconds per pass change. Acceptance enters by its expectation; the randomness of a run comes
 from the lengths and the per-request acceptance of the workload.
+
+With a context-aware profile (``CostProfile.context_aware``) a pass also costs per token of
+context each member holds (and per draft token times its member's context), so the seconds per
+pass grow between batch changes. The engine keeps the batch's context in all (``ctx``, and
+``kctx``, the sum of draft tokens times context) with their growth per pass, and charges each
+stretch of passes at its midpoint; where the next boundary is far, it schedules a re-costing
+point when the batch's context has grown by ``RECOST_SHARE`` (at least ``RECOST_MIN_PASSES``
+passes on), at which the simulator finds nothing due and commits again.
 """
 
 from __future__ import annotations
@@ -30,6 +38,10 @@ from bubblespec.scheduler.core.drafting import paying_draft_tokens
 __all__ = ["Member", "SimulatedEngine"]
 
 _EPS = 1e-9
+RECOST_SHARE = 0.05
+"""Context-aware profiles: the seconds per pass are taken again once the batch's context grew by this share."""
+RECOST_MIN_PASSES = 16
+"""... and no sooner than this many passes on."""
 
 
 @dataclass(slots=True)  # slots: hundreds of thousands per run; cheaper to create and to read
@@ -114,6 +126,11 @@ class SimulatedEngine:
         self._heap: list[tuple[float, int, int, Member]] = []
         self._seq = itertools.count()
         self._pending: list[Member] = []
+        self.context_aware = profile.context_aware
+        self.ctx = 0.0  # context-aware profiles: the members' context tokens in all at ``passes``
+        self.kctx = 0.0  # ... the sum of each member's draft tokens per pass times its context
+        self.krate = 0.0  # ... kctx's growth per pass: the sum of k x tokens per pass
+        self._recost = False  # the scheduled event is a re-costing point, not a member's boundary
 
     # ------------------------------------------------------------ changes --
 
@@ -124,7 +141,11 @@ class SimulatedEngine:
                 debt = self.debt
                 paid = debt if debt < dt else dt  # min(dt, debt)
                 self.debt = debt - paid
-                self.passes += (dt - paid) / self.pass_seconds
+                moved = (dt - paid) / self.pass_seconds
+                self.passes += moved
+                if self.context_aware:
+                    self.ctx += self.rate_sum * moved
+                    self.kctx += self.krate * moved
             self.at = now
 
     @property
@@ -140,6 +161,7 @@ class SimulatedEngine:
         member.joined = member.p0 = self.passes
         member.pos0 = 0.0
         self.members[member.key] = member
+        self.ctx += member.prompt_tokens
         self.debt += self.profile.prefill_seconds(member.prompt_tokens)
         self._pending.append(member)
 
@@ -151,17 +173,27 @@ class SimulatedEngine:
         if m is None:
             return None
         self.job_count -= m.job
+        pos = m.position(self.passes)
         if not m.started:
             self._pending.remove(m)
+            self.ctx -= m.prompt_tokens
         else:
             self._close_phase(m)
             self.draft_tokens -= m.k
             self.rate_sum -= m.rate
-        m.pos0, m.p0, m.k, m.rate = m.position(self.passes), self.passes, 0, 1.0
+            context = m.prompt_tokens + pos
+            self.ctx -= context
+            self.kctx -= m.k * context
+            self.krate -= m.k * m.rate
+        m.pos0, m.p0, m.k, m.rate = pos, self.passes, 0, 1.0
         m.gen += 1
         if not self.members:
-            self.job_count, self.debt, self.rate_sum, self.draft_tokens = 0, 0.0, 0.0, 0
+            self._empty()
         return m
+
+    def _empty(self) -> None:
+        self.job_count, self.debt, self.rate_sum, self.draft_tokens = 0, 0.0, 0.0, 0
+        self.ctx, self.kctx, self.krate = 0.0, 0.0, 0.0
 
     def due(self, now: float) -> list[Member]:
         """Members whose last token falls at ``now`` (removed); drafts that ran out switch phase."""
@@ -169,7 +201,9 @@ class SimulatedEngine:
             self.advance(now)
         done: list[Member] = []
         heap, members, pop = self._heap, self.members, heapq.heappop  # locals: the simulator's hottest loop
-        first = True
+        first = not self._recost  # a re-costing point: nothing is due by construction
+        self._recost = False
+        aware = self.context_aware
         passes = self.passes
         while heap:
             target, _, gen, m = heap[0]
@@ -181,6 +215,9 @@ class SimulatedEngine:
             first = False  # the scheduled event is due by construction (rounding aside)
             pop(heap)
             if target > passes:
+                if aware:
+                    self.ctx += self.rate_sum * (target - passes)
+                    self.kctx += self.krate * (target - passes)
                 self.passes = passes = target
             k = m.k
             if k:  # a phase without drafts has nothing to close
@@ -191,10 +228,14 @@ class SimulatedEngine:
             length = m.length
             m.pos0 = pos = pos if pos < length else float(length)
             m.p0 = target
+            if aware and k:
+                self.kctx -= k * (m.prompt_tokens + pos)
+                self.krate -= k * m.rate
             if pos >= length - _EPS:
                 m.pos0 = float(length)
                 del members[m.key]
                 self.job_count -= m.job
+                self.ctx -= m.prompt_tokens + length
                 done.append(m)
             elif m.job or not m.suffix_alpha > 0:
                 # _start_phase(m, drafts=False) without self-drafts, inlined: one token per pass
@@ -208,7 +249,7 @@ class SimulatedEngine:
             else:
                 self._start_phase(m, drafts=False)
         if not self.members:
-            self.job_count, self.debt, self.rate_sum, self.draft_tokens = 0, 0.0, 0.0, 0
+            self._empty()
         return done
 
     def commit(self, now: float) -> float | None:
@@ -234,9 +275,27 @@ class SimulatedEngine:
         while self._heap:
             target, _, gen, top = self._heap[0]
             if top.gen == gen:
+                if self.context_aware:
+                    return self._commit_with_context(target)
                 return self.at + self.debt + max(0.0, target - self.passes) * self.pass_seconds
             heapq.heappop(self._heap)
         raise RuntimeError(f"{self.worker_id}: members without a scheduled boundary")
+
+    def _commit_with_context(self, target: float) -> float:
+        """``commit``'s answer with a context-aware profile: the stretch to the next boundary
+        (or to a re-costing point, if the batch's context grows by ``RECOST_SHARE`` before it)
+        charged at the context of its midpoint."""
+        passes = max(0.0, target - self.passes)
+        self._recost = False
+        if self.rate_sum > 0:
+            recost = max(RECOST_MIN_PASSES, RECOST_SHARE * self.ctx / self.rate_sum)
+            if passes > recost:
+                passes, self._recost = recost, True
+        half = passes / 2
+        p = self.profile
+        self.pass_seconds += (p.per_context_token_seconds * (self.ctx + self.rate_sum * half)
+                              + p.per_draft_context_token_seconds * (self.kctx + self.krate * half))
+        return self.at + self.debt + passes * self.pass_seconds
 
     # ------------------------------------------------------------- views --
 
@@ -288,6 +347,9 @@ class SimulatedEngine:
         m.gen += 1
         self.draft_tokens += k
         self.rate_sum += rate
+        if k and self.context_aware:
+            self.kctx += k * (m.prompt_tokens + m.pos0)
+            self.krate += k * rate
         heapq.heappush(self._heap, (target, next(self._seq), m.gen, m))
 
     def _rerate(self, cap: int) -> None:
@@ -325,6 +387,9 @@ class SimulatedEngine:
                 self._close_phase(m)
                 self.draft_tokens -= m.k
                 self.rate_sum -= m.rate
+                if m.k and self.context_aware:
+                    self.kctx -= m.k * (m.prompt_tokens + pos)
+                    self.krate -= m.k * m.rate
                 m.pos0, m.p0 = pos, passes
                 # with its draft ahead, _start_phase would ask the rule the same question again
                 self._start_phase(m, drafts=True, planned=want if drafted else None)
@@ -348,7 +413,7 @@ class SimulatedEngine:
         if not b:
             return 0.0
         tokens = self.rate_sum + len(self._pending)  # the members not started yet are those pending
-        seconds = self.profile.step_seconds(b, self.draft_tokens)
+        seconds = self.profile.step_seconds(b, self.draft_tokens, context_tokens=self.ctx, draft_context_tokens=self.kctx)
         return self.profile.per_draft_token_seconds * max(tokens, float(b)) / seconds
 
     def _close_phase(self, m: Member) -> None:

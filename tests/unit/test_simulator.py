@@ -10,8 +10,15 @@ from pathlib import Path
 import pytest
 from bubblespec.client.types import SchedulingPolicy
 from bubblespec.bench.sim.__main__ import main
-from bubblespec.bench.pass_cost import fit_profile
-from bubblespec.bench.sim.costs import CPU_TINY, GPU_H100_7B, GPU_H100_7B_PUBLISHED, PROFILES, CostProfile
+from bubblespec.bench.pass_cost import fit_context_profile, fit_profile
+from bubblespec.bench.sim.costs import (
+    CPU_TINY,
+    GPU_H100_7B,
+    GPU_H100_7B_CONTEXT,
+    GPU_H100_7B_PUBLISHED,
+    PROFILES,
+    CostProfile,
+)
 from bubblespec.bench.sim.engine import Member, SimulatedEngine
 from bubblespec.bench.sim.simulator import (
     SimResult,
@@ -55,7 +62,8 @@ def test_step_seconds_is_linear_in_batch_drafts_and_prefill() -> None:
 
 
 def test_profiles_are_named_sourced_and_the_gpu_profile_is_its_measurement() -> None:
-    assert PROFILES == {"cpu-tiny": CPU_TINY, "gpu-h100-7b": GPU_H100_7B, "gpu-h100-7b-published": GPU_H100_7B_PUBLISHED}
+    assert PROFILES == {"cpu-tiny": CPU_TINY, "gpu-h100-7b": GPU_H100_7B, "gpu-h100-7b-context": GPU_H100_7B_CONTEXT,
+                        "gpu-h100-7b-published": GPU_H100_7B_PUBLISHED}
     assert all(p.source for p in PROFILES.values())
     # gpu-h100-7b is the fit of the H100 report it names, to three significant figures
     report = json.loads((REPO / "bench" / "measurements" / "h100-llama7b-mha.json").read_text())
@@ -74,8 +82,69 @@ def test_profiles_are_named_sourced_and_the_gpu_profile_is_its_measurement() -> 
     assert 0.0015 <= CPU_TINY.step_seconds(1) <= 0.003 and 0.004 <= CPU_TINY.step_seconds(48) <= 0.007
 
 
+def test_the_context_profile_is_the_context_fit_of_the_same_report_and_charges_its_sweep() -> None:
+    report = json.loads((REPO / "bench" / "measurements" / "h100-llama7b-mha.json").read_text())
+    fit = fit_context_profile(report)
+    for name in ("base_seconds", "per_seq_seconds", "per_context_token_seconds", "per_draft_token_seconds",
+                 "per_draft_context_token_seconds"):
+        assert getattr(GPU_H100_7B_CONTEXT, name) == pytest.approx(fit[name], rel=5e-3), name
+    assert GPU_H100_7B_CONTEXT.prefill_per_token_seconds == GPU_H100_7B.prefill_per_token_seconds
+    assert fit["median_rel_error"] < 0.06 and fit["flat_median_rel_error"] > 0.15
+    # the sweep's long contexts, which the context-blind profile charges as 1,024 tokens
+    for p in report["context"]:
+        b, k, ctx = p["batch"], p["k"], p["ctx"]
+        if b * k <= 256:
+            seconds = GPU_H100_7B_CONTEXT.step_seconds(b, b * k, context_tokens=b * ctx, draft_context_tokens=b * k * ctx)
+            assert seconds == pytest.approx(p["seconds"], rel=0.31), p
+    b64 = [p for p in report["context"] if p["batch"] == 64 and p["k"] == 0 and p["ctx"] == 8192][0]
+    assert GPU_H100_7B.step_seconds(64) < 0.3 * b64["seconds"]  # what the context-blind profile misses
+
+
+def test_a_context_aware_engine_charges_a_request_its_growing_context() -> None:
+    """One request alone: the fluid pass clock, re-costed as the context grows, adds up to the
+    sum over its passes of the pass at that pass's context (within 0.01%); a context-blind
+    profile takes one event."""
+    length, prompt = 4096, 512
+    for profile in (GPU_H100_7B_CONTEXT, GPU_H100_7B):
+        eng = SimulatedEngine("w", profile, AcceptanceModel())
+        eng.add(0.0, Member("a", length=length, prompt_tokens=prompt))
+        t, events, done = eng.commit(0.0), 1, []
+        while not done:
+            done = eng.due(t)
+            t = t if done else eng.commit(t)
+            events += 0 if done else 1
+        per_pass = profile.base_seconds + profile.per_seq_seconds
+        exact = (profile.prefill_seconds(prompt) + length * per_pass
+                 + profile.per_context_token_seconds * sum(prompt + i for i in range(length)))
+        assert t == pytest.approx(exact, rel=1e-4)
+        assert (events > 10) == profile.context_aware
+
+
+def test_a_context_aware_engines_running_sums_match_its_members_at_every_event() -> None:
+    """The batch's context and draft-weighted context, kept incrementally through drafts
+    running out, re-plans, a removal and members finishing, equal the sums over the members."""
+    eng = SimulatedEngine("w", GPU_H100_7B_CONTEXT, AcceptanceModel())
+    for i in range(6):
+        eng.add(0.0, Member(f"r{i}", length=500 + 400 * i, prompt_tokens=256 + 10 * i, draft_len=300.0 + 100 * i,
+                            source="future", alpha=0.6 + 0.05 * i))
+    t, finished, checks, drafted = eng.commit(0.0), [], 0, 0.0
+    while t is not None:
+        finished += [m.key for m in eng.due(t)]
+        drafted = max(drafted, eng.kctx)
+        if t > 1.0 and "r2" in eng.members:
+            eng.remove(t, "r2")
+        members = eng.members.values()
+        assert eng.ctx == pytest.approx(sum(m.prompt_tokens + m.position(eng.passes) for m in members), abs=1e-6)
+        assert eng.kctx == pytest.approx(sum(m.k * (m.prompt_tokens + m.position(eng.passes)) for m in members), abs=1e-6)
+        assert eng.krate == pytest.approx(sum(m.k * m.rate for m in members), abs=1e-9)
+        checks += 1
+        t = eng.commit(t)
+    assert sorted(finished) == ["r0", "r1", "r3", "r4", "r5"] and checks > 20 and drafted > 0
+
+
 @pytest.mark.parametrize("field", ["base_seconds", "per_seq_seconds", "per_draft_token_seconds",
-                                   "prefill_per_token_seconds"])
+                                   "prefill_per_token_seconds", "per_context_token_seconds",
+                                   "per_draft_context_token_seconds"])
 def test_profile_refuses_negative_constants(field: str) -> None:
     kwargs = {"base_seconds": 0.01, "per_seq_seconds": 0.0, "per_draft_token_seconds": 0.0,
               "prefill_per_token_seconds": 0.0}
