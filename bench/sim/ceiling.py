@@ -16,10 +16,17 @@ count, so ``speedup`` (the no-draft floor over this floor) is an upper bound on 
 earlier drafts can buy; ``suffix_needed`` is the per-token acceptance that a self-draft
 source covering the rest of every response (``AcceptanceModel.suffix``) would need for the
 bound to reach a target speedup.
+
+With a context-aware profile a pass costs more as the request's context grows, so a floor is
+the integral over its positions (``_context_floor``: midpoints of ``CONTEXT_SEGMENTS`` stretches,
+each at its best draft length). Context only adds cost, so the same request's floor at no
+context is a lower bound of it: floors are integrated for the requests in that bound's order,
+until the next one's bound is below the largest floor found.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +35,9 @@ from bubblespec.bench.sim.costs import CostProfile
 from bubblespec.bench.sim.workload import AcceptanceModel, Workload
 
 __all__ = ["Ceiling", "best_rate", "step_ceiling"]
+
+CONTEXT_SEGMENTS = 256
+"""Stretches a context-aware floor is integrated over (midpoint rule; exact where no draft covers)."""
 
 
 def best_rate(alpha: float, profile: CostProfile, most: int) -> float:
@@ -65,6 +75,42 @@ class Ceiling:
         return self.no_draft_floor_seconds / self.floor_seconds
 
 
+def _context_floor(length: float, covered: float, alpha: float, rest_alpha: float, prompt: int,
+                   profile: CostProfile, most: int) -> float:
+    """Seconds of one request's passes alone with a context-aware profile (prefill not
+    included): each stretch of positions at the draft length that makes the most of it, with
+    acceptance ``alpha`` where a draft covers and ``rest_alpha`` past it (0: one token a pass)."""
+    edges = np.linspace(0.0, length, CONTEXT_SEGMENTS + 1)
+    width = np.diff(edges)
+    mid = (edges[:-1] + edges[1:]) / 2
+    context = prompt + mid
+    k = np.arange(most + 1)[None, :]
+    seconds = (profile.base_seconds + profile.per_seq_seconds + profile.per_context_token_seconds * context[:, None]
+               + k * (profile.per_draft_token_seconds + profile.per_draft_context_token_seconds * context[:, None]))
+    a = np.where(mid < covered, max(alpha, rest_alpha), rest_alpha)[:, None]
+    a = np.clip(a, 0.0, 0.999999)
+    tokens = 1 + a * (1 - a ** k) / (1 - a)
+    return float((width * (seconds / tokens).min(axis=1)).sum())
+
+
+def _worst_context_floor(L: np.ndarray, C: np.ndarray, alphas: np.ndarray, rest_alpha: float, prompt: int,
+                         profile: CostProfile, most: int, prefill: float) -> tuple[float, int]:
+    """(the largest floor, its request) under a context-aware profile: ``_context_floor`` for
+    the requests in the order of their floor at no context (a lower bound), until that bound
+    falls below the largest floor found."""
+    rates = _best_rates(np.maximum(alphas, rest_alpha), profile, most)
+    plain = best_rate(rest_alpha, profile, most) if rest_alpha > 0 else 1 / profile.step_seconds(1)
+    bounds = _floors(L, C, rates, plain, prefill)
+    worst, at = -1.0, -1
+    for i in np.argsort(-bounds):
+        if bounds[i] <= worst:
+            break
+        floor = prefill + _context_floor(L[i], C[i], alphas[i], rest_alpha, prompt, profile, most)
+        if floor > worst:
+            worst, at = floor, int(i)
+    return worst, at
+
+
 def _floors(lengths: np.ndarray, covered: np.ndarray, rates: np.ndarray, rest_rate: float, prefill: float) -> np.ndarray:
     """Per request: prefill, the covered tokens at the better of the draft's rate and
     ``rest_rate``, the rest at ``rest_rate``."""
@@ -91,21 +137,28 @@ def step_ceiling(workload: Workload, acceptance: AcceptanceModel, profile: CostP
     rates = _best_rates(np.array(alphas), profile, most)
     plain = 1 / profile.step_seconds(1)
     prefill = profile.prefill_seconds(workload.prompt_tokens)
-    floors = _floors(L, C, rates, plain, prefill)
-    worst = int(np.argmax(floors))
-    no_draft = prefill + float(L.max()) / plain
-    return Ceiling(drafts, float(floors[worst]), no_draft, (names[worst], lengths[worst], covered[worst],
-                                                             round(alphas[worst], 2)),
-                   _suffix_needed(L, C, rates, profile, most, prefill, no_draft / target))
+    if profile.context_aware:
+        A, prompt = np.array(alphas), workload.prompt_tokens
+        floor, worst = _worst_context_floor(L, C, A, 0.0, prompt, profile, most, prefill)
+        no_draft = prefill + _context_floor(float(L.max()), 0.0, 0.0, 0.0, prompt, profile, most)
+
+        def fits(alpha: float) -> bool:
+            return _worst_context_floor(L, C, A, alpha, prompt, profile, most, prefill)[0] <= no_draft / target
+    else:
+        floors = _floors(L, C, rates, plain, prefill)
+        worst = int(np.argmax(floors))
+        floor = float(floors[worst])
+        no_draft = prefill + float(L.max()) / plain
+
+        def fits(alpha: float) -> bool:
+            return float(_floors(L, C, rates, best_rate(alpha, profile, most), prefill).max()) <= no_draft / target
+    return Ceiling(drafts, floor, no_draft, (names[worst], lengths[worst], covered[worst], round(alphas[worst], 2)),
+                   _suffix_needed(fits))
 
 
-def _suffix_needed(L: np.ndarray, C: np.ndarray, rates: np.ndarray, profile: CostProfile, most: int,
-                   prefill: float, goal_seconds: float) -> float | None:
-    """Smallest self-draft acceptance (to 0.01) whose best rate past the drafts brings every
-    floor under ``goal_seconds``, or None."""
-    def fits(alpha: float) -> bool:
-        return float(_floors(L, C, rates, best_rate(alpha, profile, most), prefill).max()) <= goal_seconds
-
+def _suffix_needed(fits: Callable[[float], bool]) -> float | None:
+    """Smallest self-draft acceptance (to 0.01) past the drafts that ``fits`` (every floor under
+    the goal), or None."""
     if fits(0.0):
         return 0.0
     if not fits(0.99):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bubblespec.bench.sim.ceiling import best_rate, step_ceiling
-from bubblespec.bench.sim.costs import GPU_H100_7B
+from bubblespec.bench.sim.ceiling import _context_floor, best_rate, step_ceiling
+from bubblespec.bench.sim.costs import GPU_H100_7B, GPU_H100_7B_CONTEXT
 from bubblespec.bench.sim.simulator import SimSettings, simulate
 from bubblespec.bench.sim.workload import AcceptanceModel, LengthModel, Workload
 
@@ -14,12 +14,13 @@ ACCEPT = AcceptanceModel()
 
 @pytest.mark.parametrize("policy,drafting", [("queue", True), ("static", True), ("longest-first", True), ("queue", False)])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_no_simulated_step_ends_before_the_bound(policy, drafting, seed):
+@pytest.mark.parametrize("profile", [GPU_H100_7B, GPU_H100_7B_CONTEXT], ids=lambda p: p.name)
+def test_no_simulated_step_ends_before_the_bound(policy, drafting, seed, profile):
     workload = Workload(lengths=LengthModel(median_tokens=120, max_tokens=1024))
-    r = simulate(policy, 8, 256, 3, GPU_H100_7B, drafting, seed, workload=workload, acceptance=ACCEPT,
+    r = simulate(policy, 8, 256, 3, profile, drafting, seed, workload=workload, acceptance=ACCEPT,
                  settings=SimSettings(capacity=32, samples=4))
     for step, s in enumerate(r.steps):
-        c = step_ceiling(workload, ACCEPT, GPU_H100_7B, seed, step, 64, 4, drafts=0)
+        c = step_ceiling(workload, ACCEPT, profile, seed, step, 64, 4, drafts=0)
         assert s.makespan_seconds >= c.floor_seconds * (1 - 1e-9), (step, s.makespan_seconds, c)
         if not drafting:  # without drafts the floor is the longest response at one token per pass
             assert s.makespan_seconds >= c.no_draft_floor_seconds * (1 - 1e-9)
@@ -44,6 +45,16 @@ def test_when_every_sample_has_the_same_length_drafts_cover_all_of_it():
     assert prefill + length / best_rate(alpha + 0.005, GPU_H100_7B, 32) <= c.floor_seconds
     assert c.floor_seconds <= prefill + length / best_rate(alpha - 0.005, GPU_H100_7B, 32)
     assert c.suffix_needed == 0.0 or c.speedup < 1.8
+
+
+def test_a_context_aware_floor_is_the_sum_of_its_passes_and_above_the_context_blind_one():
+    length, prompt = 3000, 512
+    p = GPU_H100_7B_CONTEXT
+    exact = sum(p.step_seconds(1, context_tokens=prompt + i) for i in range(length))
+    assert _context_floor(length, 0.0, 0.0, 0.0, prompt, p, 32) == pytest.approx(exact, rel=1e-4)
+    drafted = _context_floor(length, length, 0.7, 0.0, prompt, p, 32)
+    assert drafted < exact  # drafts that cover it pay, deepest where the context is longest
+    assert drafted >= length / best_rate(0.7, p, 32)  # the same drafts at no context cost less
 
 
 def test_an_unreachable_target_says_so():
