@@ -127,14 +127,14 @@ def fit_context_profile(report: dict, token_budget: int = 256) -> dict:
         raise ValueError("decode points: need at least two batch sizes and two draft-token totals inside the budget")
     ys = [p["seconds"] for p in used]
 
-    def rows(p: dict) -> list[float]:
-        b, k, c = p["batch"], p["k"], p["ctx"]
-        return [1.0, b, b * c, b * k, b * k * c]
+    rows = [[1.0, p["batch"], p["batch"] * p["ctx"], p["batch"] * p["k"], p["batch"] * p["k"] * p["ctx"]] for p in used]
+    flat_rows = [[r[0], r[1], r[3]] for r in rows]  # the context-blind model of ``fit_profile``
 
-    coef = _lstsq([rows(p) for p in used], ys)
-    flat = _lstsq([rows(p)[:2] + rows(p)[3:4] for p in used], ys)
-    errors = [abs(sum(c * x for c, x in zip(coef, rows(p))) - y) / y for p, y in zip(used, ys)]
-    flat_errors = [abs(sum(c * x for c, x in zip(flat, rows(p)[:2] + rows(p)[3:4])) - y) / y for p, y in zip(used, ys)]
+    def rel_errors(coef: list[float], xs: list[list[float]]) -> list[float]:
+        return [abs(sum(c * x for c, x in zip(coef, row)) - y) / y for row, y in zip(xs, ys)]
+
+    coef = _lstsq(rows, ys)
+    errors, flat_errors = rel_errors(coef, rows), rel_errors(_lstsq(flat_rows, ys), flat_rows)
     base, per_seq, per_ctx, per_draft, per_draft_ctx = coef
     return {"base_seconds": base, "per_seq_seconds": per_seq, "per_context_token_seconds": per_ctx,
             "per_draft_token_seconds": per_draft, "per_draft_context_token_seconds": per_draft_ctx,

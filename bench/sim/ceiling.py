@@ -46,14 +46,17 @@ def best_rate(alpha: float, profile: CostProfile, most: int) -> float:
     return float(_best_rates(np.array([alpha]), profile, most)[0])
 
 
-def _best_rates(alphas: np.ndarray, profile: CostProfile, most: int) -> np.ndarray:
-    """``best_rate`` of each of ``alphas`` (a step's requests at once): the expected accepted
-    tokens ``alpha (1 - alpha**k) / (1 - alpha)`` of ``workload.expected_accepted``, per ``k``."""
-    k = np.arange(most + 1)
+def _tokens_per_pass(alphas: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """1 + the expected accepted tokens ``alpha (1 - alpha**k) / (1 - alpha)`` of
+    ``workload.expected_accepted``: one row per acceptance (``alphas``), one column per ``k``."""
     a = np.clip(alphas, 0.0, 0.999999)[:, None]
-    accepted = a * (1 - a ** k) / (1 - a)
-    seconds = np.array([profile.step_seconds(1, int(j)) for j in k])
-    return ((1 + accepted) / seconds).max(axis=1)
+    return 1 + a * (1 - a ** k) / (1 - a)
+
+
+def _best_rates(alphas: np.ndarray, profile: CostProfile, most: int) -> np.ndarray:
+    """``best_rate`` of each of ``alphas`` (a step's requests at once)."""
+    k = np.arange(most + 1)
+    return (_tokens_per_pass(alphas, k) / profile.step_seconds(1, k)).max(axis=1)
 
 
 @dataclass(frozen=True)
@@ -81,16 +84,12 @@ def _context_floor(length: float, covered: float, alpha: float, rest_alpha: floa
     included): each stretch of positions at the draft length that makes the most of it, with
     acceptance ``alpha`` where a draft covers and ``rest_alpha`` past it (0: one token a pass)."""
     edges = np.linspace(0.0, length, CONTEXT_SEGMENTS + 1)
-    width = np.diff(edges)
     mid = (edges[:-1] + edges[1:]) / 2
-    context = prompt + mid
-    k = np.arange(most + 1)[None, :]
-    seconds = (profile.base_seconds + profile.per_seq_seconds + profile.per_context_token_seconds * context[:, None]
-               + k * (profile.per_draft_token_seconds + profile.per_draft_context_token_seconds * context[:, None]))
-    a = np.where(mid < covered, max(alpha, rest_alpha), rest_alpha)[:, None]
-    a = np.clip(a, 0.0, 0.999999)
-    tokens = 1 + a * (1 - a ** k) / (1 - a)
-    return float((width * (seconds / tokens).min(axis=1)).sum())
+    context = (prompt + mid)[:, None]
+    k = np.arange(most + 1)
+    seconds = profile.step_seconds(1, k, context_tokens=context, draft_context_tokens=k * context)
+    tokens = _tokens_per_pass(np.where(mid < covered, max(alpha, rest_alpha), rest_alpha), k)
+    return float((np.diff(edges) * (seconds / tokens).min(axis=1)).sum())
 
 
 def _worst_context_floor(L: np.ndarray, C: np.ndarray, alphas: np.ndarray, rest_alpha: float, prompt: int,
@@ -99,8 +98,7 @@ def _worst_context_floor(L: np.ndarray, C: np.ndarray, alphas: np.ndarray, rest_
     the requests in the order of their floor at no context (a lower bound), until that bound
     falls below the largest floor found."""
     rates = _best_rates(np.maximum(alphas, rest_alpha), profile, most)
-    plain = best_rate(rest_alpha, profile, most) if rest_alpha > 0 else 1 / profile.step_seconds(1)
-    bounds = _floors(L, C, rates, plain, prefill)
+    bounds = _floors(L, C, rates, best_rate(rest_alpha, profile, most), prefill)
     worst, at = -1.0, -1
     for i in np.argsort(-bounds):
         if bounds[i] <= worst:
@@ -134,8 +132,6 @@ def step_ceiling(workload: Workload, acceptance: AcceptanceModel, profile: CostP
             covered.append(min(n, max(longest, sibling)))
             alphas.append(acceptance.alpha("future", z))
     L, C = np.array(lengths, dtype=float), np.array(covered, dtype=float)
-    rates = _best_rates(np.array(alphas), profile, most)
-    plain = 1 / profile.step_seconds(1)
     prefill = profile.prefill_seconds(workload.prompt_tokens)
     if profile.context_aware:
         A, prompt = np.array(alphas), workload.prompt_tokens
@@ -145,6 +141,7 @@ def step_ceiling(workload: Workload, acceptance: AcceptanceModel, profile: CostP
         def fits(alpha: float) -> bool:
             return _worst_context_floor(L, C, A, alpha, prompt, profile, most, prefill)[0] <= no_draft / target
     else:
+        rates, plain = _best_rates(np.array(alphas), profile, most), 1 / profile.step_seconds(1)
         floors = _floors(L, C, rates, plain, prefill)
         worst = int(np.argmax(floors))
         floor = float(floors[worst])

@@ -58,14 +58,13 @@ class CostProfile:
         """Seconds of one forward pass over ``batch_size`` sequences verifying ``draft_tokens_total``
         draft tokens in all and prefilling ``prefill_tokens`` prompt tokens; with a context-aware
         profile, the sequences hold ``context_tokens`` tokens in all, and ``draft_context_tokens``
-        is the sum over sequences of their draft tokens times their context."""
-        seconds = (self.base_seconds + self.per_seq_seconds * batch_size
-                   + self.per_draft_token_seconds * draft_tokens_total
-                   + self.prefill_per_token_seconds * prefill_tokens)
-        if context_tokens or draft_context_tokens:
-            seconds += (self.per_context_token_seconds * context_tokens
-                        + self.per_draft_context_token_seconds * draft_context_tokens)
-        return seconds
+        is the sum over sequences of their draft tokens times their context (numpy arrays work
+        too, element by element)."""
+        return (self.base_seconds + self.per_seq_seconds * batch_size
+                + self.per_draft_token_seconds * draft_tokens_total
+                + self.prefill_per_token_seconds * prefill_tokens
+                + self.per_context_token_seconds * context_tokens
+                + self.per_draft_context_token_seconds * draft_context_tokens)
 
     def prefill_seconds(self, prompt_tokens: int) -> float:
         """Seconds added to a pass that prefills ``prompt_tokens`` tokens."""

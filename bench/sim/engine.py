@@ -292,9 +292,9 @@ class SimulatedEngine:
             if passes > recost:
                 passes, self._recost = recost, True
         half = passes / 2
-        p = self.profile
-        self.pass_seconds += (p.per_context_token_seconds * (self.ctx + self.rate_sum * half)
-                              + p.per_draft_context_token_seconds * (self.kctx + self.krate * half))
+        self.pass_seconds = self.profile.step_seconds(len(self.members), self.draft_tokens,
+                                                      context_tokens=self.ctx + self.rate_sum * half,
+                                                      draft_context_tokens=self.kctx + self.krate * half)
         return self.at + self.debt + passes * self.pass_seconds
 
     # ------------------------------------------------------------- views --

@@ -60,16 +60,23 @@ def _run_to_the_end(core, assigns) -> list[str]:
     return seen
 
 
-def test_where_the_step_fits_sample_groups_stay_together_and_every_request_runs_once():
-    core, _ = make_core()
+def _place_six_prompts_of_two_samples(**settings):
+    """A step of 6 prompts x 2 samples on two workers with room for all 12: the assignments and
+    each prompt's workers."""
+    core, _ = make_core(**settings)
     core.add_worker(hello("a", capacity=6))
     core.add_worker(hello("b", capacity=6))
-    prompts = [tuple(range(5, 5 + 2 + 3 * i)) for i in range(6)]  # 6 prompts x 2 samples, room for all 12
+    prompts = [tuple(range(5, 5 + 2 + 3 * i)) for i in range(6)]
     assigns = of(core.submit_step(prompts_step("s", prompts, n=2)), Assign)
     assert len(assigns) == 12 and {w: len(ids) for w, ids in split(assigns).items()} == {"a": 6, "b": 6}
-    workers = {}
+    workers: dict[str, set[str]] = {}
     for a in assigns:
         workers.setdefault(a.request.prompt_id, set()).add(a.worker_id)
+    return core, assigns, workers
+
+
+def test_where_the_step_fits_sample_groups_stay_together_and_every_request_runs_once():
+    core, assigns, workers = _place_six_prompts_of_two_samples()
     assert all(len(ws) == 1 for ws in workers.values())  # a prompt's samples on one worker
     seen = _run_to_the_end(core, assigns)
     assert sorted(seen) == sorted(set(seen)) and len(seen) == 12
@@ -78,15 +85,7 @@ def test_where_the_step_fits_sample_groups_stay_together_and_every_request_runs_
 def test_spread_samples_places_each_prompts_samples_on_different_workers():
     """``spread_samples``: the queue is handed out a request at a time, so a prompt's samples
     (whose lengths go together) land on different workers; every request still runs once."""
-    core, _ = make_core(spread_samples=True)
-    core.add_worker(hello("a", capacity=6))
-    core.add_worker(hello("b", capacity=6))
-    prompts = [tuple(range(5, 5 + 2 + 3 * i)) for i in range(6)]  # 6 prompts x 2 samples, room for all 12
-    assigns = of(core.submit_step(prompts_step("s", prompts, n=2)), Assign)
-    assert len(assigns) == 12 and {w: len(ids) for w, ids in split(assigns).items()} == {"a": 6, "b": 6}
-    workers = {}
-    for a in assigns:
-        workers.setdefault(a.request.prompt_id, set()).add(a.worker_id)
+    core, assigns, workers = _place_six_prompts_of_two_samples(spread_samples=True)
     assert all(ws == {"a", "b"} for ws in workers.values())  # one sample of every prompt on each worker
     seen = _run_to_the_end(core, assigns)
     assert sorted(seen) == sorted(set(seen)) and len(seen) == 12
