@@ -98,21 +98,26 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def ceiling_lines(args, workload: Workload, acceptance: AcceptanceModel, requests: int, target: float = 1.8) -> list[str]:
-    """``--ceiling``: per reported step and drafts per prompt, the bound of ``ceiling.step_ceiling``."""
+def ceiling_lines(args, workload: Workload, acceptance: AcceptanceModel, workers: int, target: float = 1.8) -> list[str]:
+    """``--ceiling``: per reported step and drafts per prompt, the bounds of ``ceiling.step_ceiling``
+    for ``workers`` workers."""
     from bubblespec.bench.sim.ceiling import step_ceiling
 
+    requests = requests_for(workers, args.requests, args.samples)
     prompts = requests // args.samples
-    lines = [f"ceiling, {requests} requests/step, seed {args.seed} (bench/sim/ceiling.py: every request alone at "
-             f"batch 1, best draft length, the longest of the planner's drafts, N more, or its siblings, at its own acceptance)",
-             f"  {'step':>4} {'drafts':>6} {'floor_s':>8} {'no-draft':>8} {'bound':>6}  {'binding request':<34} "
-             f"self-draft acceptance for {target}x"]
+    lines = [f"ceiling, {workers} workers, {requests} requests/step, seed {args.seed} (bench/sim/ceiling.py: floor_s, "
+             f"every request alone at batch 1, best draft length, the longest of the planner's drafts, N more, or its "
+             f"siblings, at its own acceptance; work_s, the workers' work too; static_min, work_s without drafts)",
+             f"  {'step':>4} {'drafts':>6} {'floor_s':>8} {'no-draft':>8} {'bound':>6} {'work_s':>7} {'static_min':>10}  "
+             f"{'binding request':<34} self-draft acceptance for {target}x"]
     for step in range(1, args.steps):
         for n in (int(x) for x in args.ceiling.split(",") if x):
-            c = step_ceiling(workload, acceptance, PROFILES[args.profile], args.seed, step, prompts, args.samples, n, target)
+            c = step_ceiling(workload, acceptance, PROFILES[args.profile], args.seed, step, prompts, args.samples, n,
+                             target, workers)
             name, length, covered, alpha = c.binding
             need = "none reaches it" if c.suffix_needed is None else f"{c.suffix_needed:.2f}"
-            lines.append(f"  {step:>4} {n:>6} {c.floor_seconds:8.1f} {c.no_draft_floor_seconds:8.1f} {c.speedup:5.2f}x  "
+            lines.append(f"  {step:>4} {n:>6} {c.floor_seconds:8.1f} {c.no_draft_floor_seconds:8.1f} {c.speedup:5.2f}x "
+                         f"{c.work_floor_seconds:7.1f} {c.no_draft_work_floor_seconds:10.1f}  "
                          f"{f'{name} {length} tok, {covered} drafted, a={alpha}':<34} {need}")
     return lines
 
@@ -205,8 +210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for t in tails:
         print(t)
     if args.ceiling:
-        for n in dict.fromkeys(requests_for(w, args.requests, args.samples) for w in workers):
-            print("\n".join(ceiling_lines(args, workload, acceptance, n)))
+        for w in workers:
+            print("\n".join(ceiling_lines(args, workload, acceptance, w)))
     print(f"total {time.perf_counter() - started:.0f} s", flush=True)
     return 0
 

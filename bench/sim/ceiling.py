@@ -22,6 +22,18 @@ the integral over its positions (``_context_floor``: midpoints of ``CONTEXT_SEGM
 each at its best draft length). Context only adds cost, so the same request's floor at no
 context is a lower bound of it: floors are integrated for the requests in that bound's order,
 until the next one's bound is below the largest floor found.
+
+A request alone is not the only limit: a worker also runs its share of the step's work. Every
+pass costs ``base_seconds`` and, per sequence in it, the per-sequence, per-draft-token and
+context terms. So a worker holding requests ``S`` needs at least ``base * max(passes(r))`` plus
+the sum over ``S`` of each request's least work (every position at the draft length that costs
+least per token it makes; context at each stretch's start, prefill of its prompt), where
+``passes(r)`` is the fewest passes ``r`` can take (the deepest draft where one covers).
+``work_floor`` is the least makespan at which the step's requests fit on ``workers`` workers
+under that rule, with a request's work allowed to split over workers (a relaxation, so still a
+bound): filled in the order of their passes, each worker at the level of the first request it
+takes. Where every worker's batch is full (64 workers x 256 requests) this, not the request
+alone, binds.
 """
 
 from __future__ import annotations
@@ -34,10 +46,12 @@ import numpy as np
 from bubblespec.bench.sim.costs import CostProfile
 from bubblespec.bench.sim.workload import AcceptanceModel, Workload
 
-__all__ = ["Ceiling", "best_rate", "step_ceiling"]
+__all__ = ["Ceiling", "best_rate", "step_ceiling", "work_floor"]
 
 CONTEXT_SEGMENTS = 256
 """Stretches a context-aware floor is integrated over (midpoint rule; exact where no draft covers)."""
+WORK_SEGMENTS = 8
+"""Stretches of a draft's span that ``work_floor`` charges at their start's context (a lower bound)."""
 
 
 def best_rate(alpha: float, profile: CostProfile, most: int) -> float:
@@ -72,6 +86,17 @@ class Ceiling:
     """(request, length, tokens covered by its best draft, its acceptance) of the largest floor."""
     suffix_needed: float | None
     """Self-draft acceptance past the drafts for ``floor`` to reach the target (None: not even 0.99)."""
+    workers: int = 0
+    """Workers ``work_floor_seconds`` spreads the step over (0: not computed)."""
+    work_floor_seconds: float = 0.0
+    """``work_floor`` with these drafts: no schedule on ``workers`` workers ends the step before it."""
+    no_draft_work_floor_seconds: float = 0.0
+    """The same without any draft: no policy that drafts nothing (``static``) ends before it."""
+
+    @property
+    def bound_seconds(self) -> float:
+        """The larger of the two bounds (a request alone, and the workers' work)."""
+        return max(self.floor_seconds, self.work_floor_seconds)
 
     @property
     def speedup(self) -> float:
@@ -115,10 +140,68 @@ def _floors(lengths: np.ndarray, covered: np.ndarray, rates: np.ndarray, rest_ra
     return prefill + covered / np.maximum(rates, rest_rate) + (lengths - covered) / rest_rate
 
 
+def _passes_and_work(L: np.ndarray, C: np.ndarray, alphas: np.ndarray, prompt: int, profile: CostProfile,
+                     most: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per request: the fewest passes it can take (the deepest draft over the ``C`` tokens a
+    draft covers, one token a pass past them) and the least seconds its sequence adds to the
+    passes it is in beyond ``base_seconds`` (each covered stretch at the draft length that costs
+    least per token, at the stretch's starting context; past the draft exact; its prompt's prefill)."""
+    k = np.arange(most + 1)
+    tokens = _tokens_per_pass(alphas, k)
+    passes = C / tokens[:, -1] + (L - C)
+    per_seq, per_ctx = profile.per_seq_seconds, profile.per_context_token_seconds
+    per_draft, per_draft_ctx = profile.per_draft_token_seconds, profile.per_draft_context_token_seconds
+    work = (L - C) * (per_seq + per_ctx * (prompt + (C + L) / 2)) + profile.prefill_seconds(prompt)
+    for j in range(WORK_SEGMENTS):
+        context = (prompt + C * j / WORK_SEGMENTS)[:, None]
+        cost = (per_seq + per_ctx * context + k * (per_draft + per_draft_ctx * context)) / tokens
+        work += C / WORK_SEGMENTS * cost.min(axis=1)
+    return passes, work
+
+
+def _fractional_makespan(levels: np.ndarray, work: np.ndarray, workers: int) -> float:
+    """Least ``T`` at which every request fits: a worker takes ``max(levels) + sum(work) <= T``
+    over what it holds, work split freely. Filling workers in the order of ``levels`` (highest
+    first), each at the level of the first request it takes, needs the fewest; ``T`` is found by
+    bisection to 0.01%."""
+    order = np.argsort(-levels, kind="stable")
+    lv, ends = levels[order], np.cumsum(work[order])
+    total = float(ends[-1])
+
+    def fits(t: float) -> bool:
+        placed, i = 0.0, 0
+        for _ in range(workers):
+            room = t - lv[i]
+            if room <= 0:
+                return False
+            placed += room
+            if placed >= total:
+                return True
+            i = int(np.searchsorted(ends, placed, side="right"))
+        return False
+
+    lo, hi = max(float(lv[0]), total / workers), float(lv[0]) + total
+    while hi - lo > 1e-4 * hi:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
+
+
+def work_floor(lengths: np.ndarray, covered: np.ndarray, alphas: np.ndarray, prompt: int, profile: CostProfile,
+               most: int, workers: int) -> float:
+    """The makespan bound that counts each worker's work as well as its longest request (module
+    docstring): requests of ``lengths`` tokens, ``covered`` of them by a draft at acceptance
+    ``alphas``, prompts of ``prompt`` tokens, on ``workers`` workers."""
+    passes, work = _passes_and_work(np.asarray(lengths, dtype=float), np.asarray(covered, dtype=float),
+                                    np.asarray(alphas, dtype=float), prompt, profile, most)
+    return _fractional_makespan(profile.base_seconds * passes, work, workers)
+
+
 def step_ceiling(workload: Workload, acceptance: AcceptanceModel, profile: CostProfile, seed: int, step: int,
-                 prompts: int, samples: int, drafts: int, target: float = 1.8) -> Ceiling:
+                 prompts: int, samples: int, drafts: int, target: float = 1.8, workers: int = 0) -> Ceiling:
     """The bound for step ``step`` of seed ``seed`` (the simulator's very requests) when every
-    prompt has ``drafts`` complete drafts; ``target``: the speedup ``suffix_needed`` aims at."""
+    prompt has ``drafts`` complete drafts; ``target``: the speedup ``suffix_needed`` aims at;
+    ``workers`` > 0: ``work_floor`` on that many workers too."""
     lm, most = workload.lengths, acceptance.max_draft_tokens
     rng = np.random.default_rng([seed, step, drafts, 7])  # the drafts' own draws, apart from the workload's
     names, lengths, covered, alphas = [], [], [], []
@@ -149,8 +232,13 @@ def step_ceiling(workload: Workload, acceptance: AcceptanceModel, profile: CostP
 
         def fits(alpha: float) -> bool:
             return float(_floors(L, C, rates, best_rate(alpha, profile, most), prefill).max()) <= no_draft / target
+    work = no_draft_work = 0.0
+    if workers > 0:
+        A, prompt = np.array(alphas), workload.prompt_tokens
+        work = work_floor(L, C, A, prompt, profile, most, workers)
+        no_draft_work = work_floor(L, np.zeros_like(C), A, prompt, profile, most, workers)
     return Ceiling(drafts, floor, no_draft, (names[worst], lengths[worst], covered[worst], round(alphas[worst], 2)),
-                   _suffix_needed(fits))
+                   _suffix_needed(fits), workers, work, no_draft_work)
 
 
 def _suffix_needed(fits: Callable[[float], bool]) -> float | None:
