@@ -80,7 +80,12 @@ def worker_event(worker_id: str, msg: pb.WorkerMessage) -> WorkerEvent:
     if kind == "completion":
         return _completed(worker_id, msg.completion)
     if kind == "aborted":
-        return Aborted(worker_id, msg.aborted.request_key, msg.aborted.reason)
+        a = msg.aborted
+        partial = None
+        if a.HasField("partial"):
+            a.partial.worker_id = worker_id  # stamped, as a completion is
+            partial = cv.completion_from_pb(a.partial)
+        return Aborted(worker_id, a.request_key, a.reason, partial)
     if kind == "policy_loaded":
         m = msg.policy_loaded
         return PolicyLoaded(worker_id, m.version, m.ok, m.error, m.weights_unknown, m.seconds)
@@ -158,10 +163,10 @@ def scheduler_message(item: Action | pb.SchedulerMessage) -> pb.SchedulerMessage
     match item:
         case pb.SchedulerMessage():
             return item
-        case Assign(_, req, predicted):
-            return pb.SchedulerMessage(assign=_assignment(req, predicted))
-        case Abort(_, key):
-            return pb.SchedulerMessage(abort=pb.Abort(request_key=key))
+        case Assign(_, req, predicted, resume):
+            return pb.SchedulerMessage(assign=_assignment(req, predicted, resume=resume))
+        case Abort(_, key, keep_partial):
+            return pb.SchedulerMessage(abort=pb.Abort(request_key=key, keep_partial=keep_partial))
         case LoadPolicy(_, version, path):
             return pb.SchedulerMessage(load_policy=pb.LoadPolicy(version=version, weights_path=path))
         case StartDraft(_, job):
@@ -173,13 +178,18 @@ def scheduler_message(item: Action | pb.SchedulerMessage) -> pb.SchedulerMessage
     raise TypeError(f"not a worker message: {item!r:.80}")
 
 
-def _assignment(req: RequestSpec, predicted: float = 0.0, make=pb.Assignment) -> pb.Assignment:
-    """``req`` as an ``Assignment`` built by ``make``: a new message, or a batch's ``add`` (built in place)."""
-    return make(
+def _assignment(req: RequestSpec, predicted: float = 0.0, make=pb.Assignment,
+                resume: Completion | None = None) -> pb.Assignment:
+    """``req`` as an ``Assignment`` built by ``make``: a new message, or a batch's ``add`` (built
+    in place); ``resume``: the partial it goes on from (a moved request)."""
+    msg = make(
         request_key=req.key, step_id=req.step_id, prompt_id=req.prompt_id,
         sample_index=req.sample_index, prompt_token_ids=req.prompt_token_ids,  # the tuple as it is: no list copy
         sampling=_sampling_pb(req.sampling), policy_version=req.policy_version,
         use_drafts=req.use_drafts, group_size=req.group_size, predicted_tokens=predicted)
+    if resume is not None:
+        msg.resume.CopyFrom(cv.completion_to_pb(resume))
+    return msg
 
 
 def scheduler_messages(items: list, batch: bool, max_bytes: int = 0) -> Iterator[pb.SchedulerMessage]:
@@ -203,13 +213,13 @@ def scheduler_messages(items: list, batch: bool, max_bytes: int = 0) -> Iterator
             msg = pb.SchedulerMessage()
             add = msg.assigns.assignments.add
         # an entry's tag and length prefix take at most 6 bytes
-        n = _assignment(item.request, item.predicted_tokens, add).ByteSize() + 6
+        n = _assignment(item.request, item.predicted_tokens, add, item.resume).ByteSize() + 6
         if count and (count >= ASSIGN_BATCH_MAX or size + n > cap - 16):
             del msg.assigns.assignments[-1]  # it opens the next batch
             yield _assign_batch(msg, count)
             msg, size, count = pb.SchedulerMessage(), 0, 0
             add = msg.assigns.assignments.add
-            _assignment(item.request, item.predicted_tokens, add)
+            _assignment(item.request, item.predicted_tokens, add, item.resume)
         size += n
         count += 1
     if msg is not None:

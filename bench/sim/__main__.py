@@ -86,6 +86,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--spread-samples", action=argparse.BooleanOptionalAction, default=CoreSettings.spread_samples,
                    help="hand out the shared queue a request at a time, a prompt's samples spread over the workers "
                         "(Seer), not a sample group at a time, CoreSettings.spread_samples (default: %(default)s)")
+    p.add_argument("--move-long-requests", action=argparse.BooleanOptionalAction,
+                   default=CoreSettings.move_long_requests,
+                   help="a worker that runs out of work takes over the running request with the most tokens so far "
+                        "from a worker that runs it beside others, and goes on from what it generated, "
+                        "CoreSettings.move_long_requests (default: %(default)s)")
+    p.add_argument("--min-tokens-to-move", type=int, default=CoreSettings.min_tokens_to_move,
+                   help="a request moves only once it has this many tokens, CoreSettings.min_tokens_to_move")
     p.add_argument("--seed", type=int, default=0, help="workload seed (lengths, acceptance); every policy sees the same")
     p.add_argument("--seeds", type=int, default=1,
                    help="run seeds --seed .. --seed+N-1; a row shows medians over them and each seed's speedup")
@@ -182,7 +189,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                            core=CoreSettings(max_draft_jobs_beside_requests=args.draft_jobs_beside_requests,
                                              min_requests_beside_draft_jobs=args.min_requests_beside_draft_jobs,
                                              draft_beside_first_step=args.draft_beside_first_step,
-                                             spread_samples=args.spread_samples))
+                                             spread_samples=args.spread_samples,
+                                             move_long_requests=args.move_long_requests,
+                                             min_tokens_to_move=args.min_tokens_to_move))
     print(f"profile {profile.name} ({profile.source}); requests/step {args.requests}, {args.samples} samples/prompt, "
           f"capacity {args.capacity}, {args.steps} steps, seeds {args.seed}..{args.seed + max(1, args.seeds) - 1}",
           flush=True)

@@ -91,6 +91,10 @@ class Member:
     """Simulated time it joined (makespan attribution)."""
     batch_at_start: int = 0
     """Batch size when it joined, itself included (makespan attribution)."""
+    resumed: int = 0
+    """Tokens it had generated on the worker it moved off (it joined at that position)."""
+    resumed_passes: int = 0
+    """Forward passes those tokens took there."""
 
     def position(self, passes: float) -> float:
         pos = self.pos0 + (passes - self.p0) * self.rate
@@ -154,15 +158,16 @@ class SimulatedEngine:
         return 0 < self.job_count == len(self.members)
 
     def add(self, now: float, member: Member) -> None:
-        """Add a request or a draft job."""
+        """Add a request or a draft job (a moved request at its ``resumed`` position: the prompt
+        and what it generated before are prefilled)."""
         if now > self.at:  # advance(now) does nothing otherwise (several calls per event at one ``now``)
             self.advance(now)
         self.job_count += member.job
         member.joined = member.p0 = self.passes
-        member.pos0 = 0.0
+        member.pos0 = float(member.resumed)
         self.members[member.key] = member
-        self.ctx += member.prompt_tokens
-        self.debt += self.profile.prefill_seconds(member.prompt_tokens)
+        self.ctx += member.prompt_tokens + member.resumed
+        self.debt += self.profile.prefill_seconds(member.prompt_tokens + member.resumed)
         self._pending.append(member)
 
     def remove(self, now: float, key: str) -> Member | None:
@@ -176,7 +181,7 @@ class SimulatedEngine:
         pos = m.position(self.passes)
         if not m.started:
             self._pending.remove(m)
-            self.ctx -= m.prompt_tokens
+            self.ctx -= m.prompt_tokens + m.pos0
         else:
             self._close_phase(m)
             self.draft_tokens -= m.k

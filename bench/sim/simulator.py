@@ -327,6 +327,7 @@ class _Simulation:
         self.events_done = 0
         self.loads_pending = 0
         self.outbox: list[tuple[str, str, int]] = []  # draft results still to report
+        self.partials: list[tuple[str, str, Completion]] = []  # requests stopped to move, with what they made
         self.batches: dict[int, list[SimPrompt]] = {}
         self.current: dict[str, SimPrompt] = {}
         self.upcoming: dict[tuple[int, ...], SimPrompt] = {}
@@ -335,7 +336,8 @@ class _Simulation:
         for i in range(workers):
             wid = f"w{i:05d}"
             self.engines[wid] = SimulatedEngine(wid, profile, acceptance)
-            hello = WorkerHello(wid, settings.capacity, self.core.version, self.limits, speculation=drafting)
+            hello = WorkerHello(wid, settings.capacity, self.core.version, self.limits, speculation=drafting,
+                                accepts_resume=True)
             self._execute(self.core.add_worker(hello))
         self._commit()
 
@@ -366,7 +368,7 @@ class _Simulation:
         spec = build_step(
             step_id=f"s{s}", policy_version=self.core.version,
             prompts=[Prompt(p.prompt_id, token_ids=p.token_ids) for p in prompts],
-            sampling=SamplingParams(max_tokens=self.workload.lengths.max_tokens, n=self.settings.samples, seed=self.seed),
+            sampling=SamplingParams(max_tokens=self.workload.lengths.max_tokens, n=self.settings.samples),  # unseeded
             lookahead=[Prompt(f"a{i}", token_ids=p.token_ids) for i, p in enumerate(ahead)],
             policy=self.policy, use_drafts=self.drafting,
             straggler_watch=self.policy is not SchedulingPolicy.STATIC if watch is None else watch,
@@ -459,10 +461,13 @@ class _Simulation:
         self.wheel.setdefault(due, []).append((wid, m))
 
     def _commit(self) -> None:
-        while self.outbox:  # results of stopped draft jobs reach the core after the stop
+        while self.outbox or self.partials:  # results of stopped jobs and requests reach the core after the stop
             results, self.outbox = self.outbox, []
             for wid, job_id, tokens in results:
                 self._execute(self.core.on_draft_result(wid, job_id, tokens, finished=False))
+            partials, self.partials = self.partials, []
+            for wid, key, partial in partials:
+                self._execute(self.core.on_aborted(wid, key, "moved", partial))
         now, heap, engines = self.now, self.heap, self.engines
         for wid in self.dirty:
             eng = engines[wid]
@@ -521,13 +526,32 @@ class _Simulation:
         finish = FinishReason.LENGTH if m.length >= req.sampling.max_tokens else FinishReason.STOP  # type: ignore[attr-defined]
         # Simulated tokens: a length without token ids (the core only measures it), so 262,144
         # completions neither hold nor get scanned token by token (the vocabulary check).
-        provenance = _frozen(Provenance, {"forward_passes": max(1, m.length - accepted) if sources else m.forward_passes(passes),
-                                          "sources": sources})
+        provenance = _frozen(Provenance, {"forward_passes": max(1, m.length - accepted) if sources or m.resumed
+                                          else m.forward_passes(passes), "sources": sources})
         return _frozen(Completion, {
             "step_id": req.step_id, "prompt_id": req.prompt_id, "sample_index": req.sample_index,  # type: ignore[attr-defined]
             "token_ids": _Tokens(m.length), "logprobs": (), "text": "", "finish_reason": finish,
             "policy_version": req.policy_version, "worker_id": wid,  # type: ignore[attr-defined]
             "prompt_tokens": self.workload.prompt_tokens, "provenance": provenance})
+
+    def _partial(self, wid: str, m: Member) -> Completion:
+        """What a request stopped to move had generated (``Aborted.partial``): its tokens so far
+        (its position, frozen when it left the batch) and their passes and drafts."""
+        req = m.payload
+        tokens = int(m.pos0)
+        sources: tuple[SourceStats, ...] = ()
+        accepted = 0
+        for name, drafted, gained in ((m.source, m.drafted, m.accepted), ("suffix", m.suffix_drafted, m.suffix_accepted)):
+            if drafted > 0:
+                took = min(round(gained), tokens - accepted)
+                accepted += took
+                sources += (_frozen(SourceStats, {"source": name, "drafted_tokens": round(drafted), "accepted_tokens": took}),)
+        return _frozen(Completion, {
+            "step_id": req.step_id, "prompt_id": req.prompt_id, "sample_index": req.sample_index,  # type: ignore[attr-defined]
+            "token_ids": _Tokens(tokens), "logprobs": (), "text": "", "finish_reason": FinishReason.STOP,
+            "policy_version": req.policy_version, "worker_id": wid,  # type: ignore[attr-defined]
+            "prompt_tokens": self.workload.prompt_tokens,
+            "provenance": _frozen(Provenance, {"forward_passes": tokens - accepted, "sources": sources})})
 
     # ------------------------------------------------------------ actions --
 
@@ -544,7 +568,9 @@ class _Simulation:
                 self._keep_partial(a.worker_id, self.engines[a.worker_id].remove(self.now, a.job_id))  # type: ignore[union-attr]
                 self.dirty[a.worker_id] = None
             elif kind is Abort:
-                self.engines[a.worker_id].remove(self.now, a.key)  # type: ignore[union-attr]
+                m = self.engines[a.worker_id].remove(self.now, a.key)  # type: ignore[union-attr]
+                if m is not None and a.keep_partial:  # type: ignore[union-attr]
+                    self.partials.append((a.worker_id, m.key, self._partial(a.worker_id, m)))  # type: ignore[union-attr]
                 self.dirty[a.worker_id] = None
             elif kind is Disconnect:
                 self._disconnect(a.worker_id)  # type: ignore[union-attr]
@@ -581,6 +607,12 @@ class _Simulation:
                 alpha = self.acceptance.alpha(source, p.accept_z[req.sample_index])
         m = Member(req.key, p.lengths[req.sample_index], draft_len=draft_len, source=source, alpha=alpha,
                    prompt_tokens=self.workload.prompt_tokens, payload=req, assigned_at=self.now)
+        if a.resume is not None:  # moved: it goes on from what it generated on its last worker
+            before = a.resume.provenance
+            m.resumed, m.resumed_passes = len(a.resume.token_ids), before.forward_passes
+            m.drafted, m.accepted = float(before.drafted()), float(before.accepted())
+            if before.sources and not m.source:
+                m.source = before.sources[0].source
         if self.drafting and req.use_drafts and self.acceptance.suffix > 0:
             m.suffix_alpha = self.acceptance.alpha("suffix", p.accept_z[req.sample_index])
         eng = self.engines[a.worker_id]

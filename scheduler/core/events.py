@@ -70,11 +70,13 @@ class Completed:
 
 @dataclass(frozen=True)
 class Aborted:
-    """The worker could not run request ``key``."""
+    """The worker could not run request ``key``; or, with ``partial``, it stopped it as asked
+    (``Abort.keep_partial``) and sent what it generated so far."""
 
     worker_id: str
     key: str
     reason: str = ""
+    partial: Completion | None = None
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,8 @@ class WorkerState:
     private: deque[str] = field(default_factory=deque)
     drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # job id -> prompt
     stopping: dict[str, tuple[int, ...]] = field(default_factory=dict)  # stopped, result pending
+    incoming: str | None = None  # a request moving to it (core/moves.py): it takes no other until that one comes
+    moved_in: set[str] = field(default_factory=set)  # requests it runs that moved to it: no draft job beside them
     tokens_per_second: float = 0.0
     busy_tokens_per_second: float = 0.0  # last rate reported while it had work (idle rates say nothing)
     state: WorkerStatus = WorkerStatus.IDLE
@@ -60,6 +62,8 @@ class RequestState:
     done: bool = False
     moved_from: str | None = None  # the worker it was moved off: it goes back there only if no one else can run it
     failures: list[tuple[str, str]] = field(default_factory=list)  # failed attempts: (worker id, reason)
+    moving_to: str | None = None  # asked to stop on its worker, to go on from its partial on this one
+    resume: Completion | None = None  # its partial completion, once it moved (core/moves.py)
 
 
 @dataclass
@@ -111,6 +115,8 @@ class CoreParts(Protocol):
     def _fill_all(self) -> list: ...
 
     def _predicted(self, prompt: tuple[int, ...]) -> float: ...
+
+    def _take_back(self, step: StepState, req: RequestState, worker_id: str, reason: str) -> list: ...
 
     def cancel_step(self, step_id: str) -> list: ...
 

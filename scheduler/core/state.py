@@ -48,6 +48,7 @@ from bubblespec.scheduler.core.events import (
     WorkerSeen,
 )
 from bubblespec.scheduler.core.history import LengthHistory
+from bubblespec.scheduler.core.moves import Mover
 from bubblespec.scheduler.core.pause import Pauser
 from bubblespec.scheduler.core.policy import PolicyBarrier
 from bubblespec.scheduler.core.records import RequestState, StepState, WorkerState
@@ -157,6 +158,13 @@ class CoreSettings:
     1.01x without; the real bench here, where two engines share two cores with the control
     process, gave ``queue`` 0.86-0.92x with it against 0.93-1.02x without (docs/BENCHMARKS.md,
     docs/SIMULATOR.md). Hence off by default; on where each worker has its own CPUs."""
+    move_long_requests: bool = False
+    """A worker that runs out of work takes over the running request with the most tokens so far
+    from a worker that runs it beside others, and goes on from what it generated
+    (``core/moves.py``); only between workers that can (``WorkerHello.accepts_resume``)."""
+    min_tokens_to_move: int = 256
+    """A request moves only once it has generated this many tokens (short ones end before a
+    move would pay for its prefill)."""
     timeline_segments: int = 256
     """Timeline segments kept per worker (for the UI)."""
     max_active_steps: int = 16
@@ -177,7 +185,8 @@ class CoreSettings:
     request that breaks every worker (or its stream) would go round them forever."""
 
     def __post_init__(self) -> None:
-        for name in ("max_draft_jobs_per_worker", "max_draft_jobs_beside_requests", "min_requests_beside_draft_jobs"):
+        for name in ("max_draft_jobs_per_worker", "max_draft_jobs_beside_requests", "min_requests_beside_draft_jobs",
+                     "min_tokens_to_move"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}: must be a whole number >= 0, got {value!r:.40}")
@@ -220,6 +229,7 @@ class SchedulerCore(CoreView):
         self._long_gap = False  # the trainer's last gap lasted at least as long as the step before it
         self.pauser = Pauser(self)  # /pause and /resume (core/pause.py)
         self.balancer = Balancer(self)  # which worker takes queued work (core/balance.py)
+        self.mover = Mover(self)  # long requests moved to idle workers (core/moves.py)
 
     # ------------------------------------------------------------- workers --
 
@@ -269,6 +279,8 @@ class SchedulerCore(CoreView):
         for key in list(w.running):
             step, req = self._unfinished(key)
             if step is not None and req is not None and step.active:
+                if req.moving_to is not None:
+                    actions += self.mover.cancel(req)
                 actions += self._take_back(step, req, worker_id, reason)
         for key in list(w.private):
             step, req = self._unfinished(key)
@@ -488,8 +500,8 @@ class SchedulerCore(CoreView):
                 return self.on_progress(worker_id, key, tokens)
             case Completed(worker_id, key, completion):
                 return self.on_completion(worker_id, key, completion)
-            case Aborted(worker_id, key, reason):
-                return self.on_aborted(worker_id, key, reason)
+            case Aborted(worker_id, key, reason, partial):
+                return self.on_aborted(worker_id, key, reason, partial)
             case DraftResult(worker_id, job_id, tokens, finished):
                 return self.on_draft_result(worker_id, job_id, tokens, finished)
             case PolicyLoaded(worker_id, version, ok, error, weights_unknown, seconds):
@@ -529,6 +541,7 @@ class SchedulerCore(CoreView):
         w = self.workers[worker_id]
         w.last_seen = self.clock()
         w.running.discard(key)
+        w.moved_in.discard(key)
         req.done = True
         step.completions[key] = completion
         self.history.record(req.spec.prompt_token_ids, len(completion.token_ids))
@@ -538,6 +551,8 @@ class SchedulerCore(CoreView):
         if len(step.completions) == len(step.requests):
             actions += self._finish(step)
         actions += self._fill(w)
+        if req.moving_to is not None:  # it finished before its worker stopped it: the move is off
+            actions += self.mover.cancel(req)
         return actions
 
     def _note_future_saving(self, provenance: Provenance, tokens: int) -> None:
@@ -552,16 +567,23 @@ class SchedulerCore(CoreView):
         """Expected response length of ``prompt`` (``LengthHistory.predicted``)."""
         return self.history.predicted(prompt)
 
-    def on_aborted(self, worker_id: str, key: str, reason: str = "") -> list[Action]:
+    def on_aborted(self, worker_id: str, key: str, reason: str = "", partial: Completion | None = None) -> list[Action]:
         """The worker could not run the request (a failed attempt): give it to someone else,
-        or fail the step after ``max_attempts``."""
+        or fail the step after ``max_attempts``. With ``partial``, the worker stopped a request
+        the core is moving (``core/moves.py``): it goes on from there on its new worker."""
         req = self._owned(worker_id, key)
         if req is None:
             return [_not_running(worker_id, "aborted", key)]
         step = self.steps[req.spec.step_id]
+        if req.moving_to is not None and partial is not None:
+            return self.mover.arrived(step, req, worker_id, partial)
+        moving = req.moving_to is not None
         self.workers[worker_id].running.discard(key)
-        return self._take_back(step, req, worker_id, f"aborted by the worker: {reason or 'no reason given'}") \
-            + self._fill_all()
+        self.workers[worker_id].moved_in.discard(key)
+        actions = self._take_back(step, req, worker_id, f"aborted by the worker: {reason or 'no reason given'}")
+        if moving:  # it was to move, and failed first: it runs again from the start
+            actions += self.mover.cancel(req)
+        return actions + self._fill_all()
 
     def on_draft_result(self, worker_id: str, job_id: str, tokens: int, finished: bool = True) -> list[Action]:
         """A draft job ended: ``finished`` when its response ran to the end, else it was
@@ -762,15 +784,19 @@ class SchedulerCore(CoreView):
             key = self._next_for(w)
             if key is None:
                 break
-            if w.drafts:
-                actions += self._stop_drafts(w, keep=self._beside(w, len(running) + 1))
             step = self.steps[_step_of(key)]
             req = step.requests[key]
-            req.worker, req.started_at, req.progress, req.progress_at = wid, now, 0, now
+            if req.resume is not None:
+                w.moved_in.add(key)
+            if w.drafts:
+                actions += self._stop_drafts(w, keep=self._beside(w, len(running) + 1))
+            req.worker, req.started_at, req.progress, req.progress_at = wid, now, req.progress if req.resume else 0, now
             running.add(key)
             self.balancer.stalls.started(step.spec.step_id, key, wid, now, self.settings.stall_seconds)
             actions.append(Assign(wid, req.spec, min(self._predicted(req.spec.prompt_token_ids),
-                                                     float(req.spec.sampling.max_tokens))))
+                                                     float(req.spec.sampling.max_tokens)), req.resume))
+        if not running and self.settings.move_long_requests:
+            actions += self.mover.take_for(w)
         if plan and running and self.settings.max_draft_jobs_beside_requests:
             actions += self._plan_drafts(w, self._beside(w, len(running)))
         elif plan and not running and not self._held:  # held: work is due the moment the held results come
@@ -782,7 +808,8 @@ class SchedulerCore(CoreView):
         """Draft jobs ``w`` may run beside ``busy`` requests (never in a request's slot; none
         beside fewer than ``min_requests_beside_draft_jobs``, while future drafts do not pay or
         while the trainer's gaps are long; ``CoreSettings.max_draft_jobs_beside_requests``)."""
-        if busy < self.settings.min_requests_beside_draft_jobs or self._long_gap or not self._future_drafts_pay():
+        if busy < self.settings.min_requests_beside_draft_jobs or self._long_gap or not self._future_drafts_pay() \
+                or w.moved_in:  # a moved request is a step's tail: nothing beside it (core/moves.py)
             return 0
         return max(0, min(self.settings.max_draft_jobs_beside_requests, w.capacity - busy))
 
@@ -823,6 +850,11 @@ class SchedulerCore(CoreView):
             return False
         if req.moved_from is None and not req.failures:
             return True  # the common case: never moved nor failed, so no worker to keep it from
+        if req.resume is not None and not w.hello.accepts_resume:
+            if any(o.hello.accepts_resume for o in self.workers.values()):
+                step.shared.append(key)  # it goes on from a partial: only a worker that can continue one
+                return False
+            req.resume = None  # no worker left that can: it runs again from the start, as after a failure
         tried = {wid for wid, _ in req.failures}
         if (req.moved_from == w.hello.worker_id or w.hello.worker_id in tried) and self._another_can_run(w, step, tried):
             step.shared.append(key)  # moved off this (slow or stalled) worker, or failed on it: not back to it

@@ -106,6 +106,10 @@ class WorkerHello:
     model: str = ""
     """The weights its engine started from (a directory on the worker's machine; '' = not said):
     the base weights that ``POST /reload_weights`` goes back to."""
+    accepts_resume: bool = False
+    """It can stop a request and send what it generated (``Abort.keep_partial``) and continue a
+    request from such a partial (``Assign.resume``): the core moves long requests only between
+    such workers (``core/moves.py``)."""
 
 
 @dataclass(frozen=True)
@@ -171,12 +175,17 @@ class Assign:
     predicted_tokens: float = 0.0
     """The core's predicted response length for the request (0: none), for the worker's draft
     plan (``worker/tail_drafts.py``)."""
+    resume: Completion | None = None
+    """What the request generated on the worker it moved off (``core/moves.py``): the worker
+    continues from it, and its completion holds these tokens and what follows them."""
 
 
 @dataclass(frozen=True)
 class Abort:
     worker_id: str
     key: str
+    keep_partial: bool = False
+    """Answer with what the request generated so far (``Aborted.partial``): the core moves it."""
 
 
 @dataclass(frozen=True)

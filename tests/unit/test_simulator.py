@@ -479,3 +479,20 @@ def test_a_draft_job_started_again_verifies_its_prompts_stored_partial_first() -
     fresh, again = e.tokens("fresh", t), e.tokens("again", t)
     assert fresh == round(e.passes - passes) and fresh < 60
     assert again >= 200 > 2 * fresh  # its 200 tokens verified many a pass, then one a pass
+
+
+@pytest.mark.parametrize("drafting", [False, True])
+def test_long_requests_move_to_idle_workers_once_and_every_token_is_counted(drafting: bool) -> None:
+    from bubblespec.scheduler.core.state import CoreSettings
+
+    one_wave = SimSettings(capacity=64, samples=4, core=CoreSettings(move_long_requests=True, min_tokens_to_move=64))
+    still = run("queue", drafting, workers=16, settings=SimSettings(capacity=64, samples=4))
+    moved = run("queue", drafting, workers=16, settings=one_wave)
+    for s, before in zip(moved.steps, still.steps):
+        assert s.requests == 512 and s.delivered == 512 and s.duplicates == 0
+        assert s.summary.requests_moved > 0  # idle workers took over long requests
+        assert s.summary.generated_tokens == before.summary.generated_tokens  # the same responses, continued
+        p = s.summary.provenance
+        assert p.forward_passes + p.accepted() == s.summary.generated_tokens  # the partials' passes counted once
+    # taking the long ones out of full batches does not slow the step
+    assert sum(s.makespan_seconds for s in moved.steps) <= sum(s.makespan_seconds for s in still.steps)

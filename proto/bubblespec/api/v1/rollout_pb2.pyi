@@ -271,7 +271,7 @@ class CancelResponse(_message.Message):
     def __init__(self, cancelled_requests: _Optional[int] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("worker_id", "capacity", "policy_version", "max_model_len", "vocab_size", "model", "speculation", "logprobs_mode", "tensor_parallel_size", "accepts_assign_batches")
+    __slots__ = ("worker_id", "capacity", "policy_version", "max_model_len", "vocab_size", "model", "speculation", "logprobs_mode", "tensor_parallel_size", "accepts_assign_batches", "accepts_resume")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -282,6 +282,7 @@ class Hello(_message.Message):
     LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_ASSIGN_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_RESUME_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     capacity: int
     policy_version: int
@@ -292,7 +293,8 @@ class Hello(_message.Message):
     logprobs_mode: str
     tensor_parallel_size: int
     accepts_assign_batches: bool
-    def __init__(self, worker_id: _Optional[str] = ..., capacity: _Optional[int] = ..., policy_version: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model: _Optional[str] = ..., speculation: _Optional[bool] = ..., logprobs_mode: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., accepts_assign_batches: _Optional[bool] = ...) -> None: ...
+    accepts_resume: bool
+    def __init__(self, worker_id: _Optional[str] = ..., capacity: _Optional[int] = ..., policy_version: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model: _Optional[str] = ..., speculation: _Optional[bool] = ..., logprobs_mode: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., accepts_assign_batches: _Optional[bool] = ..., accepts_resume: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("running", "tokens_per_second")
@@ -331,12 +333,14 @@ class WorkerCompletionBatch(_message.Message):
     def __init__(self, completions: _Optional[_Iterable[_Union[WorkerCompletion, _Mapping]]] = ...) -> None: ...
 
 class Aborted(_message.Message):
-    __slots__ = ("request_key", "reason")
+    __slots__ = ("request_key", "reason", "partial")
     REQUEST_KEY_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
     request_key: str
     reason: str
-    def __init__(self, request_key: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    partial: Completion
+    def __init__(self, request_key: _Optional[str] = ..., reason: _Optional[str] = ..., partial: _Optional[_Union[Completion, _Mapping]] = ...) -> None: ...
 
 class PolicyLoaded(_message.Message):
     __slots__ = ("version", "ok", "error", "seconds", "weights_unknown")
@@ -387,7 +391,7 @@ class WorkerMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., completion: _Optional[_Union[WorkerCompletion, _Mapping]] = ..., aborted: _Optional[_Union[Aborted, _Mapping]] = ..., policy_loaded: _Optional[_Union[PolicyLoaded, _Mapping]] = ..., draft_result: _Optional[_Union[DraftResult, _Mapping]] = ..., control_result: _Optional[_Union[ControlResult, _Mapping]] = ..., completions: _Optional[_Union[WorkerCompletionBatch, _Mapping]] = ..., progress_batch: _Optional[_Union[ProgressBatch, _Mapping]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("request_key", "step_id", "prompt_id", "sample_index", "prompt_token_ids", "sampling", "policy_version", "use_drafts", "group_size", "predicted_tokens")
+    __slots__ = ("request_key", "step_id", "prompt_id", "sample_index", "prompt_token_ids", "sampling", "policy_version", "use_drafts", "group_size", "predicted_tokens", "resume")
     REQUEST_KEY_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -398,6 +402,7 @@ class Assignment(_message.Message):
     USE_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     request_key: str
     step_id: str
     prompt_id: str
@@ -408,7 +413,8 @@ class Assignment(_message.Message):
     use_drafts: bool
     group_size: int
     predicted_tokens: float
-    def __init__(self, request_key: _Optional[str] = ..., step_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy_version: _Optional[int] = ..., use_drafts: _Optional[bool] = ..., group_size: _Optional[int] = ..., predicted_tokens: _Optional[float] = ...) -> None: ...
+    resume: Completion
+    def __init__(self, request_key: _Optional[str] = ..., step_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy_version: _Optional[int] = ..., use_drafts: _Optional[bool] = ..., group_size: _Optional[int] = ..., predicted_tokens: _Optional[float] = ..., resume: _Optional[_Union[Completion, _Mapping]] = ...) -> None: ...
 
 class AssignBatch(_message.Message):
     __slots__ = ("assignments",)
@@ -417,10 +423,12 @@ class AssignBatch(_message.Message):
     def __init__(self, assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ...) -> None: ...
 
 class Abort(_message.Message):
-    __slots__ = ("request_key",)
+    __slots__ = ("request_key", "keep_partial")
     REQUEST_KEY_FIELD_NUMBER: _ClassVar[int]
+    KEEP_PARTIAL_FIELD_NUMBER: _ClassVar[int]
     request_key: str
-    def __init__(self, request_key: _Optional[str] = ...) -> None: ...
+    keep_partial: bool
+    def __init__(self, request_key: _Optional[str] = ..., keep_partial: _Optional[bool] = ...) -> None: ...
 
 class LoadPolicy(_message.Message):
     __slots__ = ("version", "weights_path")
