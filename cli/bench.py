@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bubblespec.client import AsyncRolloutClient, SamplingParams, SchedulingPolicy, StepResult
+from bubblespec.scheduler.core.state import CoreSettings
 
 __all__ = ["ARMS", "BenchConfig", "run_bench", "workload_model"]
 
@@ -78,6 +79,10 @@ class BenchConfig:
     """The scheduler's ``draft_beside_first_step`` (docs/BENCHMARKS.md has both)."""
     spread_samples: bool = False
     """The scheduler's ``spread_samples`` (docs/BENCHMARKS.md has both)."""
+    move_long_requests: bool = CoreSettings.move_long_requests
+    """The scheduler's ``move_long_requests``."""
+    min_tokens_to_move: int = CoreSettings.min_tokens_to_move
+    """The scheduler's ``min_tokens_to_move``."""
     seed: int = 0
     runs: int = 1
     """Times every arm runs (on the same engines, arm order rotated per run); the table gives
@@ -320,6 +325,7 @@ def _config(args) -> BenchConfig:
                        draft_jobs_during_step=args.draft_jobs_during_step,
                        draft_jobs_beside_requests=args.draft_jobs_beside_requests,
                        draft_beside_first_step=args.draft_beside_first_step, spread_samples=args.spread_samples,
+                       move_long_requests=args.move_long_requests, min_tokens_to_move=args.min_tokens_to_move,
                        runs=args.runs)
 
 
@@ -338,7 +344,6 @@ def _tell_results(say, report: dict, cfg: BenchConfig) -> None:
 def main(args) -> int:
     """``bubblespec bench``: a short story on the terminal, vLLM's output in a log file."""
     from bubblespec.cli.commands import Cluster, _engine_settings, _run_told, _tell_start
-    from bubblespec.scheduler.core.state import CoreSettings
     from bubblespec.scheduler.settings import SchedulerSettings
 
     try:
@@ -354,7 +359,8 @@ def main(args) -> int:
         args.model = args.model or await workload_model(story.say)
         _tell_start(story, args)
         core = CoreSettings(max_draft_jobs_during_step=None if cfg.draft_jobs_during_step < 0 else cfg.draft_jobs_during_step,
-                            draft_beside_first_step=cfg.draft_beside_first_step, spread_samples=cfg.spread_samples)
+                            draft_beside_first_step=cfg.draft_beside_first_step, spread_samples=cfg.spread_samples,
+                            move_long_requests=cfg.move_long_requests, min_tokens_to_move=cfg.min_tokens_to_move)
         if cfg.draft_jobs_beside_requests >= 0:
             core = replace(core, max_draft_jobs_beside_requests=cfg.draft_jobs_beside_requests)
         cluster = Cluster(SchedulerSettings(host="127.0.0.1", grpc_port=0, http_port=0, tokenizer=args.model, core=core),

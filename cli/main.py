@@ -78,6 +78,11 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
          "requests than this on a worker (CoreSettings.min_requests_beside_draft_jobs; 0: at any count)")
     _add(p, "draft-beside-first-step", defaults.draft_beside_first_step, "draft jobs beside the first step's requests, "
          "before completions show whether future drafts pay (CoreSettings.draft_beside_first_step)")
+    _add(p, "move-long-requests", defaults.move_long_requests, "a worker that runs out of work takes over the running "
+         "request with the most tokens from the fullest batch, and goes on from what it generated "
+         "(CoreSettings.move_long_requests; docs/SIMULATOR.md)")
+    _add(p, "min-tokens-to-move", defaults.min_tokens_to_move, "a request moves only once it has generated this many "
+         "tokens (CoreSettings.min_tokens_to_move)")
 
 
 def _engine_flags(p: argparse.ArgumentParser, speculative_tokens: int = 8, draft_token_seconds: float = 0.0) -> None:
@@ -179,6 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "show whether future drafts pay (the scheduler's default)")
     _add(bench, "spread-samples", False, "hand out the shared queue a request at a time, a prompt's samples spread "
                                          "over the workers, not a sample group at a time (the scheduler's default)")
+    from bubblespec.scheduler.core.state import CoreSettings  # pure: no grpc, vLLM or torch
+
+    _add(bench, "move-long-requests", CoreSettings.move_long_requests, "an idle worker takes over a long running "
+         "request, going on from what it generated (the scheduler's default)")
+    _add(bench, "min-tokens-to-move", CoreSettings.min_tokens_to_move, "a request moves only once it has this many "
+         "tokens (the scheduler's default)")
     _add(bench, "runs", 1, "times every arm runs on the same engines (arm order rotated per run); "
          "the table gives each run's speedup and their median")
     _add(bench, "json", "", "write the report here")

@@ -26,7 +26,8 @@ from bubblespec.client._base import keepalive_options
 from bubblespec.client.types import Completion
 from bubblespec.store import DraftEntry, DraftSource, DraftStore, prompt_key
 from bubblespec.worker.checkpoint import CheckpointError
-from bubblespec.worker.engine import Engine, EngineRequest, EngineSettings
+from bubblespec.worker.engine import Engine, EngineOutput, EngineRequest, EngineSettings
+from bubblespec.worker.resume import joined, partial, resumed
 
 __all__ = ["WorkerAgent", "WorkerSettings", "stop_agents"]
 
@@ -129,6 +130,7 @@ class WorkerAgent:
         self._progress: dict[str, int] = {}  # request key -> tokens, reports waiting for _flush_progress
         self._progress_timer: asyncio.TimerHandle | None = None
         self._request_ended = asyncio.Event()  # set when a request's task leaves ``tasks`` (``_untrack``)
+        self._keep_partial: set[str] = set()  # requests the scheduler stopped to move: they send what they made
 
     # ------------------------------------------------------------ connection --
 
@@ -208,7 +210,7 @@ class WorkerAgent:
                         vocab_size=info.vocab_size, model=info.model, speculation=info.speculation,
                         logprobs_mode=info.logprobs_mode,
                         tensor_parallel_size=self.settings.engine.tensor_parallel_size,
-                        accepts_assign_batches=True)
+                        accepts_assign_batches=True, accepts_resume=True)
 
     async def _outgoing(self):
         """The outbox as the stream's messages, in order. Completions waiting at once go out
@@ -281,7 +283,10 @@ class WorkerAgent:
             for i, a in enumerate(msg.assigns.assignments):
                 self.tasks[a.request_key] = asyncio.create_task(self._run_assignment(a, f"assigns[{i}]"))
         elif kind == "abort":
+            if msg.abort.keep_partial and msg.abort.request_key in self.tasks:
+                self._keep_partial.add(msg.abort.request_key)
             await self._cancel(msg.abort.request_key)
+            self._keep_partial.discard(msg.abort.request_key)
         elif kind == "load_policy":
             await self._load_policy(msg.load_policy)
         elif kind == "draft_job":
@@ -393,12 +398,18 @@ class WorkerAgent:
         """Run one assignment; a failure answers ``Aborted`` with the reason, after ``where``
         (the batch entry it came in as, ``assigns[3]``; "" for a single ``assign``)."""
         key = a.request_key
+        before = cv.completion_from_pb(a.resume) if a.HasField("resume") else None  # moved here: go on from it
+        last: EngineOutput | None = None
+        loaded = self.version  # the weights that generate it (stamped on the completion)
+        prompt: tuple[int, ...] = ()
         try:
             prompt = tuple(a.prompt_token_ids[:])  # a slice first: one C loop, not one call per token
             drafts = await self._drafts_for(prompt) if a.use_drafts else ()
             request = EngineRequest(key, prompt, cv.sampling_from_pb(a.sampling), drafts, a.use_drafts,
                                     predicted_tokens=a.predicted_tokens, stream_tokens=ASSIGNMENT_STREAM_TOKENS)
-            loaded = self.version  # the weights that generate it (stamped on the completion)
+            done_before = 0
+            if before is not None:
+                request, done_before = resumed(request, before), len(before.token_ids)
             last_report = time.monotonic()
             final = None
             seen = 0
@@ -407,15 +418,18 @@ class WorkerAgent:
                 seen = len(out.token_ids)
                 if out.finish_reason is not None:
                     final = out
-                elif time.monotonic() - last_report >= self.settings.progress_seconds:
-                    last_report = time.monotonic()
-                    self._report_progress(key, len(out.token_ids))
+                else:
+                    last = out
+                    if time.monotonic() - last_report >= self.settings.progress_seconds:
+                        last_report = time.monotonic()
+                        self._report_progress(key, done_before + len(out.token_ids))
             if final is None:
                 raise RuntimeError("engine ended without a final output")
             if self.version != loaded:
                 raise RuntimeError(f"the weights changed from version {loaded} to {self.version} during generation")
-            c = Completion(a.step_id, a.prompt_id, a.sample_index, final.token_ids, final.logprobs, final.text,
-                           final.finish_reason, loaded, self.worker_id, len(prompt), final.provenance)
+            ids, logprobs, text, provenance = joined(before, final)
+            c = Completion(a.step_id, a.prompt_id, a.sample_index, ids, logprobs, text,
+                           final.finish_reason, loaded, self.worker_id, len(prompt), provenance)
             self._progress.pop(key, None)  # finished: its last progress report says nothing more
             for src in final.provenance.sources:
                 tally = self.spec_tokens.setdefault(src.source, [0, 0])
@@ -426,7 +440,15 @@ class WorkerAgent:
             await self._remember(prompt, c, a.step_id)
         except asyncio.CancelledError:
             self._progress.pop(key, None)
-            await self.engine.abort(key)
+            spent = await self.engine.abort(key)
+            if key in self._keep_partial:  # stopped to move: send what it made, made by one policy version
+                if self.version == loaded:
+                    made = partial(a.step_id, a.prompt_id, a.sample_index, before, last, loaded, self.worker_id,
+                                   len(prompt), spent)
+                    self._send(aborted=pb.Aborted(request_key=key, reason="moved", partial=cv.completion_to_pb(made)))
+                else:
+                    self._send(aborted=pb.Aborted(request_key=key, reason=f"stopped to move, but the weights changed "
+                                                  f"from version {loaded} to {self.version} during generation"))
             raise
         except Exception as exc:
             logger.exception("request %s failed", key)

@@ -176,7 +176,8 @@ class Engine(Protocol):
 
     async def start(self) -> None: ...
     def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]: ...
-    async def abort(self, key: str) -> None: ...
+    async def abort(self, key: str) -> Provenance | None:
+        """Stop request ``key``; what it cost so far, where the engine counts it (else None)."""
     async def load_weights(self, path: str) -> None:
         """Load the policy at ``path`` in place. ``CheckpointError``: refused before any weight
         changed (the engine still serves its previous weights); any other error: the weights
@@ -354,8 +355,9 @@ class VllmEngine:
         )
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        """Yield progress (``token_ids`` is a live list, valid until the next yield), then the
-        final output (tuples, ``finish_reason`` set)."""
+        """Yield progress (``token_ids`` and ``logprobs`` are live lists and ``text`` a live list
+        of pieces, valid until the next yield: what a stopped request sends, ``worker/resume.py``),
+        then the final output (tuples, ``finish_reason`` set)."""
         assert self._llm is not None, "engine not started"
         prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
         tokens: list[int] = []
@@ -369,7 +371,7 @@ class VllmEngine:
             text.append(c.text)
             reason = c.finish_reason
             if not out.finished:
-                yield EngineOutput(request.key, tokens)  # type: ignore[arg-type]
+                yield EngineOutput(request.key, tokens, logprobs, text)  # type: ignore[arg-type]
         if reason is None:
             return
         finish = _FINISH_REASONS.get(reason)
@@ -388,9 +390,7 @@ class VllmEngine:
         stats = await self._stats.get(key)
         if stats is None:  # drafts disabled for this request: one token per pass
             return Provenance(forward_passes=num_tokens)
-        sources = tuple(SourceStats(src, stats["drafted"][src], stats["accepted"][src])
-                        for src in sorted(stats["drafted"]) if stats["drafted"][src])
-        return Provenance(forward_passes=stats["forward_passes"], sources=sources)
+        return _stats_provenance(stats)
 
     async def _pop_stats(self, keys: list[str]) -> dict:
         """The proposer's stats of ``keys``' requests, taken out of it (rank 0's: every rank
@@ -398,11 +398,16 @@ class VllmEngine:
         assert self._llm is not None, "engine not started"
         return (await self._llm.collective_rpc("bubblespec_pop_stats", args=(keys,)))[0]
 
-    async def abort(self, key: str) -> None:
-        if self._llm is not None:
-            await self._llm.abort(key)
-            if self.info.speculation:
-                await self._stats.get(key)
+    async def abort(self, key: str) -> Provenance | None:
+        """Stop the request; return the proposer's count of its passes and drafts so far (None
+        where the engine has no proposer, or drafts were off for it: one token a pass)."""
+        if self._llm is None:
+            return None
+        await self._llm.abort(key)
+        if not self.info.speculation:
+            return None
+        stats = await self._stats.get(key)
+        return None if stats is None else _stats_provenance(stats)
 
     async def load_weights(self, path: str) -> None:
         """Check the checkpoint against the one the engine started with (``checkpoint``), then
@@ -470,6 +475,13 @@ _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 class GenerationFailed(RuntimeError):
     """The engine ended a request without a result (vLLM finish reason ``abort`` or ``error``).
     The worker reports the request aborted; the scheduler counts a failed attempt."""
+
+
+def _stats_provenance(stats: dict) -> Provenance:
+    """The proposer's stats of one request as its ``Provenance``."""
+    sources = tuple(SourceStats(src, stats["drafted"][src], stats["accepted"][src])
+                    for src in sorted(stats["drafted"]) if stats["drafted"][src])
+    return Provenance(forward_passes=stats["forward_passes"], sources=sources)
 
 
 def _engine_seed(seed: int | None) -> int:

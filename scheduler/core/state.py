@@ -706,6 +706,10 @@ class SchedulerCore(CoreView):
             actions += self.remove_worker(w.hello.worker_id, f"worker {silent} while running it")
         for step in [s for s in self.steps.values() if s.active and s.spec.straggler_watch]:
             actions += self._rebalance(step, now)
+        if self.settings.move_long_requests:  # an idle worker that found no request to take over may now
+            for w in self.workers.values():
+                if not w.running and w.incoming is None and w.loading is None and w.load_failed is None:
+                    actions += self.mover.take_for(w)
         for step in self.steps.values():  # multi-wave queues: what the probes say (core/probes.py)
             if step.active and len(step.shared) > 1 and step.spec.sampling.n > 1 \
                     and step.spec.policy is not SchedulingPolicy.STATIC:

@@ -1,0 +1,74 @@
+"""A request the scheduler moves between workers, on the worker's side (pure).
+
+The scheduler moves a long request off a busy worker to an idle one (``scheduler/core/moves.py``):
+
+- the busy worker stops it and sends what it generated: ``partial`` (``Abort.keep_partial`` ->
+  ``Aborted.partial``);
+- the idle worker goes on from there: ``resumed`` makes the engine request (the prompt and the
+  partial are its context; ``max_tokens`` counts the partial; a seeded request gets
+  ``resume_seed``, fresh draws; stored drafts are shifted to the position it goes on from),
+  and ``joined`` makes its completion (the partial's tokens, logprobs, text and passes, then
+  what followed).
+
+Generation from ``prompt + partial`` samples the continuation from the same conditional
+distribution the first worker would have used, so the joined completion is exact
+(docs/EXACTNESS.md). vLLM detokenizes the new tokens with the prompt as their left context, so
+the partial's text and the new text join into the text of all the tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from bubblespec.client.types import Completion, FinishReason, Provenance
+from bubblespec.scheduler.core.moves import resume_seed
+from bubblespec.worker.engine import EngineOutput, EngineRequest
+
+__all__ = ["joined", "partial", "resumed"]
+
+
+def resumed(request: EngineRequest, before: Completion) -> EngineRequest:
+    """``request`` (as assigned: the original prompt and sampling) going on after ``before``."""
+    n = len(before.token_ids)
+    left = request.sampling.max_tokens - n
+    if left < 1:
+        raise ValueError(f"resume: {n} tokens already, max_tokens is {request.sampling.max_tokens}")
+    seed = request.sampling.seed
+    sampling = replace(request.sampling, max_tokens=left, seed=None if seed is None else resume_seed(seed, n))
+    drafts = tuple((source, tokens[n:]) for source, tokens in request.drafts if len(tokens) > n)
+    return replace(request, prompt_token_ids=request.prompt_token_ids + tuple(before.token_ids), sampling=sampling,
+                   drafts=drafts, predicted_tokens=max(0.0, request.predicted_tokens - n))
+
+
+def joined(before: Completion | None, final: EngineOutput) -> tuple[tuple[int, ...], tuple[float, ...], str, Provenance]:
+    """(token ids, logprobs, text, provenance) of a request that went on after ``before``."""
+    if before is None:
+        return final.token_ids, final.logprobs, final.text, final.provenance
+    return (tuple(before.token_ids) + tuple(final.token_ids), tuple(before.logprobs) + tuple(final.logprobs),
+            before.text + final.text, before.provenance + final.provenance)
+
+
+def partial(step_id: str, prompt_id: str, sample_index: int, before: Completion | None, last: EngineOutput | None,
+            version: int, worker_id: str, prompt_tokens: int, provenance: Provenance | None) -> Completion:
+    """What a stopped request generated: ``before`` (if it had moved here) and ``last``, its
+    latest progress output; ``provenance``: the engine's count of its passes and drafts (None:
+    one token a pass). Passes and accepted tokens are kept to the tokens sent (a pass after the
+    last progress output made tokens that are not in it)."""
+    tokens = tuple(last.token_ids) if last is not None else ()
+    logprobs = tuple(last.logprobs) if last is not None else ()
+    text = "" if last is None else last.text if isinstance(last.text, str) else "".join(last.text)
+    if provenance is None:
+        provenance = Provenance(forward_passes=len(tokens))
+    accepted = min(provenance.accepted(), len(tokens))
+    sources, left = [], accepted
+    for s in provenance.sources:  # accepted tokens kept to the tokens sent, source by source
+        took = min(s.accepted_tokens, left)
+        left -= took
+        sources.append(replace(s, accepted_tokens=took))
+    mine = Completion(step_id, prompt_id, sample_index, tokens, logprobs if len(logprobs) == len(tokens) else (),
+                      text, FinishReason.STOP, version, worker_id, prompt_tokens,
+                      Provenance(len(tokens) - accepted, tuple(sources)))
+    if before is None:
+        return mine
+    ids, lps, txt, prov = joined(before, EngineOutput("", mine.token_ids, mine.logprobs, mine.text, None, mine.provenance))
+    return replace(mine, token_ids=ids, logprobs=lps if len(lps) == len(ids) else (), text=txt, provenance=prov)
