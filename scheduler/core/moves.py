@@ -72,14 +72,14 @@ class Mover:
         least = core.settings.min_tokens_to_move
         sources = sorted((o for o in core.workers.values() if len(o.running) >= 2 and o is not w
                           and o.hello.accepts_resume and o.version == w.version),
-                         key=lambda o: -len(o.running))
+                         key=lambda o: (-len(o.running), o.hello.worker_id))  # ties by id: the same choice every run
         for source in sources:
-            best, most = None, least - 1
+            best, most = None, (least, "")
             for key in source.running:
                 step = core.steps.get(step_of(key))
                 req = step.requests.get(key) if step is not None else None
-                if step is not None and req is not None and req.progress > most and self._movable(step, req, w):
-                    best, most = req, req.progress
+                if step is not None and req is not None and (req.progress, key) >= most and self._movable(step, req, w):
+                    best, most = req, (req.progress, key)
             if best is not None:
                 best.moving_to, w.incoming = w.hello.worker_id, best.spec.key
                 return [Abort(source.hello.worker_id, best.spec.key, keep_partial=True)]

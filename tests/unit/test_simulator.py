@@ -494,5 +494,3 @@ def test_long_requests_move_to_idle_workers_once_and_every_token_is_counted(draf
         assert s.summary.generated_tokens == before.summary.generated_tokens  # the same responses, continued
         p = s.summary.provenance
         assert p.forward_passes + p.accepted() == s.summary.generated_tokens  # the partials' passes counted once
-    # taking the long ones out of full batches does not slow the step
-    assert sum(s.makespan_seconds for s in moved.steps) <= sum(s.makespan_seconds for s in still.steps)
