@@ -597,12 +597,13 @@ class _Simulation:
         if self.drafting and req.use_drafts:
             fut = self.future.get(p.token_ids, 0)
             hist = self.history.get(p.token_ids, 0) if self.settings.history_drafts else 0
+            first = a.resume is None  # a moved request was counted where it started
             if fut:
                 draft_len, source = fut, "future"
-                log.with_future += 1  # type: ignore[union-attr]
+                log.with_future += first  # type: ignore[union-attr]
             elif hist:
                 draft_len, source = hist, "history"
-                log.with_history += 1  # type: ignore[union-attr]
+                log.with_history += first  # type: ignore[union-attr]
             if source:
                 alpha = self.acceptance.alpha(source, p.accept_z[req.sample_index])
         m = Member(req.key, p.lengths[req.sample_index], draft_len=draft_len, source=source, alpha=alpha,

@@ -2,7 +2,7 @@
 
 At a step's tail, workers that finished their share idle while the step's longest requests run
 on in other workers' batches, where every pass costs its fixed part plus each other sequence.
-With ``CoreSettings.move_long_requests``, a worker that runs out of work takes over the running
+With ``CoreSettings.move_long_requests`` (on by default), a worker that runs out of work takes over the running
 request with the most tokens so far (under long-tailed lengths, the further along, the further
 to go) from a worker that runs it beside others:
 
@@ -67,7 +67,13 @@ class Mover:
         there cost it; and of a step's requests still running, the further along, the further
         to go (long-tailed lengths)."""
         core = self.core
-        if w.incoming is not None or w.running or not w.hello.accepts_resume:
+        if w.incoming is not None:  # a move to it is under way, unless the core took that request back since
+            step = core.steps.get(step_of(w.incoming))
+            req = step.requests.get(w.incoming) if step is not None else None
+            if req is not None and not req.done and req.moving_to == w.hello.worker_id and step.active:  # type: ignore[union-attr]
+                return []
+            w.incoming = None
+        if w.running or not w.hello.accepts_resume:
             return []
         least = core.settings.min_tokens_to_move
         sources = sorted((o for o in core.workers.values() if len(o.running) >= 2 and o is not w

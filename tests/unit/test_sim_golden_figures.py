@@ -22,6 +22,10 @@ from nothing). Every drafting case moved: "queue+drafts" 38.62 / 56.17 / 34.74 s
 38.62 / 54.44 / 34.74 s; "beside requests" 39.59 / 52.91 / 35.44 s became 39.93 / 48.68 /
 35.74 s; "fixed rule" 45.17 / 57.99 / 61.49 s became 45.17 / 58.11 / 61.49 s; "suffix, gap,
 tail" 27.00 / 27.34 / 35.45 s became 27.00 / 27.15 / 35.34 s.
+
+Moving long requests to idle workers (``CoreSettings.move_long_requests``, on since
+2026-11-25) is a new rule too: the cases before it run without it and give their figures to
+the bit; "queue+drafts, moves" runs it at its default (the "beside requests" case with it).
 """
 
 from __future__ import annotations
@@ -43,13 +47,16 @@ from bubblespec.scheduler.core.state import CoreSettings, _total
 GPU_H100_7B = GPU_H100_7B_PUBLISHED
 CPU_TINY_2026_11_22 = CostProfile("cpu-tiny-2026-11-22", 5.35e-3, 1.47e-4, 6.24e-5, 2.32e-5)
 
-BEFORE_BESIDE = SimSettings(core=CoreSettings(max_draft_jobs_beside_requests=0))
+BEFORE_BESIDE = SimSettings(core=CoreSettings(max_draft_jobs_beside_requests=0, move_long_requests=False))
+BEFORE_MOVES = SimSettings(core=CoreSettings(move_long_requests=False))
 
 CASES = {
     "queue+drafts": dict(policy="queue", workers=24, requests_per_step=1536, steps=3, profile=GPU_H100_7B,
                          drafting=True, settings=BEFORE_BESIDE),
     "queue+drafts, beside requests": dict(policy="queue", workers=24, requests_per_step=1536, steps=3,
-                                          profile=GPU_H100_7B, drafting=True),
+                                          profile=GPU_H100_7B, drafting=True, settings=BEFORE_MOVES),
+    "queue+drafts, moves": dict(policy="queue", workers=24, requests_per_step=1536, steps=3,
+                                profile=GPU_H100_7B, drafting=True),
     "static": dict(policy="static", workers=24, requests_per_step=1536, steps=2, profile=GPU_H100_7B, drafting=False),
     "longest-first+drafts, fixed rule": dict(policy="longest-first", workers=12, requests_per_step=768, steps=3,
                                              profile=GPU_H100_7B, drafting=True, settings=BEFORE_BESIDE,
@@ -86,7 +93,11 @@ GOLDEN = {
         (39.92761482545018, 908770, 0, 0, 594.2066721374429, 80.7436648242026, 283.31241884915886, 0, 1489),
         (48.679391194872935, 421168, 508159, 1519716, 538.3894721137875, 188.6527424173596, 441.2631741458034, 1536, 1519),
         (35.74334245958285, 401268, 517816, 1566757, 421.84765937776655, 18.2304812803323, 417.7620783718895, 1536, 1446),
-    ], 10192),
+    ], 10192),    'queue+drafts, moves': ([
+        (39.32241716105078, 908769, 1, 6, 700.2533017587787, 81.4574532814473, 162.0272568249929, 0, 1803),
+        (47.53290519807038, 423352, 505975, 1526292, 671.546857814376, 87.55565681199049, 381.68721012732254, 1536, 1768),
+        (35.740395822522416, 401844, 517240, 1565884, 514.076558458596, 122.76635964400487, 220.92658163793698, 1536, 1758),
+    ], 10248),
 }
 
 
