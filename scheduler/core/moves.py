@@ -2,11 +2,12 @@
 
 At a step's tail, workers that finished their share idle while the step's longest requests run
 on in other workers' batches, where every pass costs its fixed part plus each other sequence.
-With ``CoreSettings.move_long_requests`` (on by default), a worker that runs out of work takes over the running
-request with the most tokens so far (under long-tailed lengths, the further along, the further
-to go) from a worker that runs it beside others:
+With ``CoreSettings.move_long_requests`` (on by default), a worker that runs out of work takes
+over the running request with the most tokens so far (under long-tailed lengths, the further
+along, the further to go) from the worker with the fullest batch that runs one:
 
-1. the core asks that worker to stop it and send what it generated (``Abort(keep_partial=True)``);
+1. as the worker runs out of work (or at a later ``tick``), the core asks the other worker to
+   stop the request and send what it generated (``Abort(keep_partial=True)``);
 2. the worker answers with the partial completion (``SchedulerCore.on_aborted(..., partial)``);
 3. the request goes on from that partial on the idle worker (``Assign.resume``): the prompt and
    the partial are its context, and its completion holds the partial's tokens and what follows.
@@ -54,42 +55,79 @@ def resume_seed(seed: int, tokens: int) -> int:
 
 
 class Mover:
-    """Which running request an idle worker takes over, and the move's three messages (module
+    """Which running requests idle workers take over, and the move's three messages (module
     docstring); a collaborator of ``SchedulerCore`` (``core.mover``)."""
 
     def __init__(self, core: SchedulerCore):
         self.core = core
 
-    def take_for(self, w: WorkerState) -> list[Action]:
-        """If ``w`` (idle, nothing queued for it) can take a moved request: ask the worker that
-        runs the most requests beside a movable one to stop the one of them with the most
-        tokens so far and send its partial. The fuller the batch it leaves, the more each pass
-        there cost it; and of a step's requests still running, the further along, the further
-        to go (long-tailed lengths)."""
+    def tick(self) -> list[Action]:
+        """Pair the idle workers that can take a moved request with the requests to move, and
+        ask their workers to stop them and send their partials. Sources first whose batch is
+        fullest (each pass there costs a request the most), on each the movable request with the
+        most tokens so far (of a step's requests still running, the further along, the further to
+        go: long-tailed lengths); a source gives one a tick. Once per tick, not per event: a pass
+        over the workers and the running requests of the sources it reaches."""
         core = self.core
-        if w.incoming is not None:  # a move to it is under way, unless the core took that request back since
-            step = core.steps.get(step_of(w.incoming))
-            req = step.requests.get(w.incoming) if step is not None else None
-            if req is not None and not req.done and req.moving_to == w.hello.worker_id and step.active:  # type: ignore[union-attr]
-                return []
-            w.incoming = None
-        if w.running or not w.hello.accepts_resume:
+        idle = [w for w in core.workers.values() if not w.running and w.hello.accepts_resume and w.loading is None
+                and w.load_failed is None and self._free(w)]
+        if not idle:
             return []
-        least = core.settings.min_tokens_to_move
-        sources = sorted((o for o in core.workers.values() if len(o.running) >= 2 and o is not w
-                          and o.hello.accepts_resume and o.version == w.version),
+        sources = sorted((o for o in core.workers.values() if len(o.running) >= 2 and o.hello.accepts_resume),
                          key=lambda o: (-len(o.running), o.hello.worker_id))  # ties by id: the same choice every run
+        actions: list[Action] = []
         for source in sources:
-            best, most = None, (least, "")
-            for key in source.running:
-                step = core.steps.get(step_of(key))
-                req = step.requests.get(key) if step is not None else None
-                if step is not None and req is not None and (req.progress, key) >= most and self._movable(step, req, w):
-                    best, most = req, (req.progress, key)
-            if best is not None:
-                best.moving_to, w.incoming = w.hello.worker_id, best.spec.key
-                return [Abort(source.hello.worker_id, best.spec.key, keep_partial=True)]
-        return []
+            req = self._best_on(source)
+            if req is None:
+                continue
+            mode = req.spec.sampling.logprobs_mode
+            target = next((w for w in idle if w.version == source.version and mode in ("", w.hello.logprobs_mode)), None)
+            if target is None:
+                continue
+            idle.remove(target)
+            req.moving_to, target.incoming = target.hello.worker_id, req.spec.key
+            actions.append(Abort(source.hello.worker_id, req.spec.key, keep_partial=True))
+            if not idle:
+                break
+        return actions
+
+    def take_for(self, w: WorkerState) -> list[Action]:
+        """``w`` just ran out of work: it takes over the best request of the fullest batch now,
+        if that batch has a movable one (one pass over the workers; ``tick`` looks further)."""
+        if w.running or not w.hello.accepts_resume or w.loading is not None or w.load_failed is not None \
+                or not self._free(w):
+            return []
+        source = max((o for o in self.core.workers.values() if len(o.running) >= 2 and o.hello.accepts_resume
+                      and o.version == w.version), key=lambda o: (len(o.running), o.hello.worker_id), default=None)
+        req = self._best_on(source) if source is not None else None
+        if req is None or req.spec.sampling.logprobs_mode not in ("", w.hello.logprobs_mode):
+            return []
+        req.moving_to, w.incoming = w.hello.worker_id, req.spec.key
+        return [Abort(source.hello.worker_id, req.spec.key, keep_partial=True)]  # type: ignore[union-attr]
+
+    def _free(self, w: WorkerState) -> bool:
+        """No move to ``w`` is under way (one the core has since taken back no longer counts)."""
+        if w.incoming is None:
+            return True
+        core = self.core
+        step = core.steps.get(step_of(w.incoming))
+        req = step.requests.get(w.incoming) if step is not None else None
+        if step is not None and req is not None and step.active and not req.done and req.moving_to == w.hello.worker_id:
+            return False
+        w.incoming = None
+        return True
+
+    def _best_on(self, source: WorkerState) -> RequestState | None:
+        """The movable request on ``source`` with the most tokens so far (at least
+        ``min_tokens_to_move``; ties by key), or None."""
+        core = self.core
+        best, most = None, (core.settings.min_tokens_to_move, "")
+        for key in source.running:
+            step = core.steps.get(step_of(key))
+            req = step.requests.get(key) if step is not None else None
+            if step is not None and req is not None and (req.progress, key) >= most and self._movable(step, req):
+                best, most = req, (req.progress, key)
+        return best
 
     def arrived(self, step: StepState, req: RequestState, worker_id: str, partial: Completion) -> list[Action]:
         """The partial of moving request ``req`` came from ``worker_id`` (which let go of it):
@@ -119,11 +157,10 @@ class Mover:
         step.shared.appendleft(key)
         return actions + core._fill_all()
 
-    def cancel(self, req: RequestState) -> list[Action]:
+    def cancel(self, req: RequestState) -> None:
         """The move of ``req`` is off (its completion came first, or its worker failed it): the
-        worker it was to go to may take another."""
-        target = self._release(req)
-        return self.take_for(target) if target is not None else []
+        worker it was to go to may take another at the next tick."""
+        self._release(req)
 
     def _release(self, req: RequestState) -> WorkerState | None:
         target = self.core.workers.get(req.moving_to) if req.moving_to is not None else None
@@ -133,13 +170,11 @@ class Mover:
         return target
 
     @staticmethod
-    def _movable(step: StepState, req: RequestState, target: WorkerState) -> bool:
+    def _movable(step: StepState, req: RequestState) -> bool:
         sampling = req.spec.sampling
         return (step.active and step.spec.straggler_watch and not sampling.stop
                 and (step.spec.use_drafts or sampling.seed is None)
-                and not req.done and req.moving_to is None and req.moved_from is None and not req.failures
-                and req.spec.policy_version == target.version and sampling.logprobs_mode in ("", target.hello.logprobs_mode))
-
+                and not req.done and req.moving_to is None and req.moved_from is None and not req.failures)
 
 def _checked(partial: Completion, req: RequestState, limits: ModelLimits | None) -> Completion:
     """``partial`` if it can continue ``req`` (``Mover.arrived``), else ``InvalidRequest``."""

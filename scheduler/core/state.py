@@ -285,7 +285,7 @@ class SchedulerCore(CoreView):
             step, req = self._unfinished(key)
             if step is not None and req is not None and step.active:
                 if req.moving_to is not None:
-                    actions += self.mover.cancel(req)
+                    self.mover.cancel(req)
                 actions += self._take_back(step, req, worker_id, reason)
         for key in list(w.private):
             step, req = self._unfinished(key)
@@ -557,7 +557,9 @@ class SchedulerCore(CoreView):
             actions += self._finish(step)
         actions += self._fill(w)
         if req.moving_to is not None:  # it finished before its worker stopped it: the move is off
-            actions += self.mover.cancel(req)
+            self.mover.cancel(req)
+        if not w.running and self.settings.move_long_requests:  # out of work: take over a long request
+            actions += self.mover.take_for(w)
         return actions
 
     def _note_future_saving(self, provenance: Provenance, tokens: int) -> None:
@@ -587,7 +589,7 @@ class SchedulerCore(CoreView):
         self.workers[worker_id].moved_in.discard(key)
         actions = self._take_back(step, req, worker_id, f"aborted by the worker: {reason or 'no reason given'}")
         if moving:  # it was to move, and failed first: it runs again from the start
-            actions += self.mover.cancel(req)
+            self.mover.cancel(req)
         return actions + self._fill_all()
 
     def on_draft_result(self, worker_id: str, job_id: str, tokens: int, finished: bool = True) -> list[Action]:
@@ -711,10 +713,8 @@ class SchedulerCore(CoreView):
             actions += self.remove_worker(w.hello.worker_id, f"worker {silent} while running it")
         for step in [s for s in self.steps.values() if s.active and s.spec.straggler_watch]:
             actions += self._rebalance(step, now)
-        if self.settings.move_long_requests:  # an idle worker that found no request to take over may now
-            for w in self.workers.values():
-                if not w.running and w.incoming is None and w.loading is None and w.load_failed is None:
-                    actions += self.mover.take_for(w)
+        if self.settings.move_long_requests:  # idle workers take over long requests (core/moves.py)
+            actions += self.mover.tick()
         for step in self.steps.values():  # multi-wave queues: what the probes say (core/probes.py)
             if step.active and len(step.shared) > 1 and step.spec.sampling.n > 1 \
                     and step.spec.policy is not SchedulingPolicy.STATIC:
@@ -804,8 +804,6 @@ class SchedulerCore(CoreView):
             self.balancer.stalls.started(step.spec.step_id, key, wid, now, self.settings.stall_seconds)
             actions.append(Assign(wid, req.spec, min(self._predicted(req.spec.prompt_token_ids),
                                                      float(req.spec.sampling.max_tokens)), req.resume))
-        if not running and self.settings.move_long_requests:
-            actions += self.mover.take_for(w)
         if plan and running and self.settings.max_draft_jobs_beside_requests:
             actions += self._plan_drafts(w, self._beside(w, len(running)))
         elif plan and not running and not self._held:  # held: work is due the moment the held results come

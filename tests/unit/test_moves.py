@@ -22,6 +22,11 @@ def partial_of(a: Assign, tokens: int, version: int = 0) -> Completion:
                       FinishReason.STOP, version, a.worker_id, provenance=Provenance(tokens))
 
 
+def finish_then_tick(core, a: Assign) -> list:
+    """Complete ``a``; moves are made at the core's next tick."""
+    return complete(core, a) + core.tick()
+
+
 def busy_and_idle(**settings):
     """Worker a runs three requests of one step; worker b ran the fourth and is idle now."""
     core, clock = make_core(move_long_requests=True, min_tokens_to_move=4, **settings)
@@ -37,7 +42,7 @@ def busy_and_idle(**settings):
 
 def test_an_idle_worker_takes_over_the_request_furthest_along_and_it_goes_on_from_its_partial():
     core, _, on_a, on_b = busy_and_idle()
-    actions = complete(core, on_b)  # b runs out of work
+    actions = finish_then_tick(core, on_b)  # b runs out of work; the tick finds it idle
     (abort,) = of(actions, Abort)
     longest = on_a[-1].request.key
     assert (abort.worker_id, abort.key, abort.keep_partial) == ("a", longest, True)
@@ -65,7 +70,7 @@ def test_nothing_moves_beside_itself_short_or_when_the_setting_is_off():
             core.on_progress(x.worker_id, x.request.key, progress if x.worker_id == "a" else 1)
         on_b = next(x for x in assigns if x.worker_id == "b")
         if settings:  # off: no move whatever the progress
-            assert not of(complete(core, on_b), Abort)
+            assert not of(finish_then_tick(core, on_b), Abort)
             continue
         for x in assigns:  # on, but below min_tokens_to_move: none moves
             core.on_progress(x.worker_id, x.request.key, 3)
@@ -75,7 +80,7 @@ def test_nothing_moves_beside_itself_short_or_when_the_setting_is_off():
         assigns2 = of(core2.submit_step(step("s", 4)), Assign)
         for x in assigns2:
             core2.on_progress(x.worker_id, x.request.key, 9)
-        assert not of(complete(core2, next(x for x in assigns2 if x.worker_id == "b")), Abort)
+        assert not of(finish_then_tick(core2, next(x for x in assigns2 if x.worker_id == "b")), Abort)
 
 
 def test_only_between_workers_that_can_resume_and_never_from_a_request_running_alone():
@@ -85,13 +90,13 @@ def test_only_between_workers_that_can_resume_and_never_from_a_request_running_a
     assigns = of(core.submit_step(step("s", 4)), Assign)
     for x in assigns:
         core.on_progress(x.worker_id, x.request.key, 20)
-    assert not of(complete(core, next(x for x in assigns if x.worker_id == "b")), Abort)
+    assert not of(finish_then_tick(core, next(x for x in assigns if x.worker_id == "b")), Abort)
     core, _ = make_core(move_long_requests=True, min_tokens_to_move=4)
     core.add_worker(resumable("a", capacity=1))
     core.add_worker(resumable("b", capacity=1))
     a, b = of(core.submit_step(step("s", 2)), Assign)
     core.on_progress(a.worker_id, a.request.key, 20)
-    assert not of(complete(core, b), Abort)  # a runs it alone: moving it gains nothing
+    assert not of(finish_then_tick(core, b), Abort)  # a runs it alone: moving it gains nothing
 
 
 def test_steps_a_resume_could_change_are_never_moved():
@@ -105,7 +110,7 @@ def test_steps_a_resume_could_change_are_never_moved():
         assigns = of(core.submit_step(spec), Assign)
         for x in assigns:
             core.on_progress(x.worker_id, x.request.key, 20)
-        return bool(of(complete(core, next(x for x in assigns if x.worker_id == "b")), Abort))
+        return bool(of(finish_then_tick(core, next(x for x in assigns if x.worker_id == "b")), Abort))
 
     assert moves()
     assert not moves(sampling=SamplingParams(temperature=0.0, max_tokens=16, stop=("</a>",)))  # a stop string could span it
@@ -117,14 +122,14 @@ def test_steps_a_resume_could_change_are_never_moved():
 
 def test_a_completion_that_comes_first_calls_the_move_off():
     core, _, on_a, on_b = busy_and_idle()
-    complete(core, on_b)
+    finish_then_tick(core, on_b)
     longest = on_a[-1]
     assert core.workers["b"].incoming == longest.request.key
     done = complete(core, longest, tokens=9)  # it finished before a read the abort
     assert len(of(done, Deliver)) == 1
     assert core.steps["s"].requests[longest.request.key].moving_to is None
-    # b may take over another one now: the next furthest along
-    (abort,) = of(done, Abort)
+    # b may take over another one at the next tick: the next furthest along
+    (abort,) = of(core.tick(), Abort)
     assert abort.key == on_a[-2].request.key == core.workers["b"].incoming
     # an abort without a partial is a failed attempt: the request runs again from the start
     again = core.on_aborted("a", abort.key, "engine error")
@@ -143,7 +148,7 @@ def test_a_partial_that_cannot_continue_the_request_is_refused_naming_the_field(
     )
     for spoil, field in cases:
         core, _, on_a, on_b = busy_and_idle()
-        complete(core, on_b)
+        finish_then_tick(core, on_b)
         key = on_a[-1].request.key
         actions = core.on_aborted("a", key, "moved", spoil(partial_of(on_a[-1], 7)))
         (ignored,) = of(actions, Ignored)
@@ -155,7 +160,7 @@ def test_a_partial_that_cannot_continue_the_request_is_refused_naming_the_field(
 
 def test_a_moved_request_never_runs_on_a_worker_that_cannot_continue_it_while_one_can():
     core, _, on_a, on_b = busy_and_idle()
-    complete(core, on_b)
+    finish_then_tick(core, on_b)
     core.remove_worker("b")  # the worker it was moving to left
     key = on_a[-1].request.key
     core.add_worker(WorkerHello("c", 4, 0, LIMITS, True))  # cannot resume
@@ -172,7 +177,7 @@ def test_a_moved_request_never_runs_on_a_worker_that_cannot_continue_it_while_on
 def test_no_draft_job_runs_beside_a_moved_request():
     core, _, on_a, on_b = busy_and_idle(max_draft_jobs_beside_requests=4)
     core._future_saving = 1.0
-    complete(core, on_b)
+    finish_then_tick(core, on_b)
     key = on_a[-1].request.key
     core.on_aborted("a", key, "moved", partial_of(on_a[-1], 7))
     assert core.workers["b"].moved_in == {key} and core._beside(core.workers["b"], 1) == 0
@@ -184,3 +189,14 @@ def test_resume_seeds_are_fresh_and_never_a_requests_or_a_draft_jobs():
     assert len(seen) == 9
     assert all(RESUME_SEEDS[0] <= x < RESUME_SEEDS[1] for x in seen)
     assert RESUME_SEEDS[0] > top + 2**31 and RESUME_SEEDS[1] <= DRAFT_SEEDS[0]
+
+
+def test_a_move_the_core_called_off_frees_its_worker_for_another():
+    core, _, on_a, on_b = busy_and_idle()
+    finish_then_tick(core, on_b)
+    first = on_a[-1].request.key
+    assert core.workers["b"].incoming == first
+    core.cancel_step("s")  # the trainer gave up on the step while the move was under way
+    core.tick()
+    assert core.workers["b"].incoming is None
+    assert of(core.on_aborted("a", first, "moved", partial_of(on_a[-1], 7)), Ignored)  # a late partial: ignored
