@@ -84,6 +84,8 @@ SCHEDULER_METRICS: tuple[MetricSpec, ...] = (
                "Requests the straggler watch took from a slow worker or a stalled run and re-queued."),
     MetricSpec("bubblespec_requests_requeued_total", "counter",
                "Requests re-queued because their worker left, aborted them or produced the wrong version."),
+    MetricSpec("bubblespec_requests_resumed_total", "counter",
+               "Long running requests an idle worker took over, going on from what they generated (move_long_requests)."),
     MetricSpec("bubblespec_stragglers_detected_total", "counter",
                "Straggler interventions: times the straggler watch moved work of a step."),
     MetricSpec("bubblespec_steps_failed_total", "counter",
@@ -126,6 +128,7 @@ class _Tally:
     drafted: dict[str, int] = field(default_factory=dict)
     accepted: dict[str, int] = field(default_factory=dict)
     moved: int = 0
+    resumed: int = 0
     requeued: int = 0
     stragglers: int = 0
     steps_failed: int = 0
@@ -171,8 +174,8 @@ class SchedulerMetrics(Collector):
                 self._on_deliver(step_id, completion)
             case StepFinished(step_id, summary):
                 self._on_step_finished(step_id, summary)
-            case RequestsMoved(_, keys, requeued):
-                self._on_moved(len(keys), requeued)
+            case RequestsMoved(_, keys, requeued, resumed):
+                self._on_moved(len(keys), requeued, resumed)
             case PolicyLoadReported(_, _, ok, _, seconds):
                 self.observe_weight_load(ok, seconds)
             case StepFailed():
@@ -203,12 +206,15 @@ class SchedulerMetrics(Collector):
             for old in [sid for sid in t.steps if not self.core.has_step(sid)]:
                 del t.steps[old]  # the core trimmed it
 
-    def _on_moved(self, count: int, requeued: bool) -> None:
-        """``RequestsMoved``: one straggler intervention moving ``count`` requests, or
-        ``count`` requests re-queued (worker lost, aborted, paused off it)."""
+    def _on_moved(self, count: int, requeued: bool, resumed: bool = False) -> None:
+        """``RequestsMoved``: one straggler intervention moving ``count`` requests, ``count``
+        requests re-queued (worker lost, aborted, paused off it), or long requests taken over by
+        an idle worker (``resumed``)."""
         t = self.tally
         with t.lock:
-            if requeued:
+            if resumed:
+                t.resumed += count
+            elif requeued:
                 t.requeued += count
             else:
                 t.stragglers += 1
@@ -291,6 +297,7 @@ class SchedulerMetrics(Collector):
                        [((k,), v) for k, v in sorted(t.accepted.items())]),
                 family(_SPECS["bubblespec_requests_moved_total"], [((), t.moved)]),
                 family(_SPECS["bubblespec_requests_requeued_total"], [((), t.requeued)]),
+                family(_SPECS["bubblespec_requests_resumed_total"], [((), t.resumed)]),
                 family(_SPECS["bubblespec_stragglers_detected_total"], [((), t.stragglers)]),
                 family(_SPECS["bubblespec_steps_failed_total"], [((), t.steps_failed)]),
                 family(_SPECS["bubblespec_weight_load_failures_total"], [((), t.load_failures)]),

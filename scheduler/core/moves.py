@@ -40,7 +40,10 @@ if TYPE_CHECKING:
     from bubblespec.scheduler.core.records import CoreParts as SchedulerCore
     from bubblespec.scheduler.core.records import RequestState, StepState, WorkerState
 
-__all__ = ["RESUME_SEEDS", "Mover", "resume_seed"]
+__all__ = ["RESUME_SEEDS", "SOURCES_LOOKED_AT", "Mover", "resume_seed"]
+
+SOURCES_LOOKED_AT = 8
+"""Fullest batches a worker that just ran out of work looks at for a request to take over."""
 
 RESUME_SEEDS = (5 * 2**60, 3 * 2**61)
 """Seeds of seeded requests' continuations: [5·2**60, 3·2**61), above every request's seed
@@ -60,6 +63,9 @@ class Mover:
 
     def __init__(self, core: SchedulerCore):
         self.core = core
+        self._sources: list[str] = []
+        """Workers by how full their batch was at the last ``tick``, fullest first (``take_for``
+        looks at the first few: one worker running out of work must not cost a pass over all)."""
 
     def tick(self) -> list[Action]:
         """Pair the idle workers that can take a moved request with the requests to move, and
@@ -69,12 +75,13 @@ class Mover:
         go: long-tailed lengths); a source gives one a tick. Once per tick, not per event: a pass
         over the workers and the running requests of the sources it reaches."""
         core = self.core
+        sources = sorted((o for o in core.workers.values() if len(o.running) >= 2 and o.hello.accepts_resume),
+                         key=lambda o: (-len(o.running), o.hello.worker_id))  # ties by id: the same choice every run
+        self._sources = [o.hello.worker_id for o in sources[:SOURCES_LOOKED_AT]]
         idle = [w for w in core.workers.values() if not w.running and w.hello.accepts_resume and w.loading is None
                 and w.load_failed is None and self._free(w)]
         if not idle:
             return []
-        sources = sorted((o for o in core.workers.values() if len(o.running) >= 2 and o.hello.accepts_resume),
-                         key=lambda o: (-len(o.running), o.hello.worker_id))  # ties by id: the same choice every run
         actions: list[Action] = []
         for source in sources:
             req = self._best_on(source)
@@ -92,18 +99,22 @@ class Mover:
         return actions
 
     def take_for(self, w: WorkerState) -> list[Action]:
-        """``w`` just ran out of work: it takes over the best request of the fullest batch now,
-        if that batch has a movable one (one pass over the workers; ``tick`` looks further)."""
+        """``w`` just ran out of work: it takes over the best request of the fullest batches
+        seen at the last ``tick`` (the first ``SOURCES_LOOKED_AT``), if one has a movable one;
+        ``tick`` pairs the rest."""
+        core = self.core
         if w.running or not w.hello.accepts_resume or w.loading is not None or w.load_failed is not None \
                 or not self._free(w):
             return []
-        source = max((o for o in self.core.workers.values() if len(o.running) >= 2 and o.hello.accepts_resume
-                      and o.version == w.version), key=lambda o: (len(o.running), o.hello.worker_id), default=None)
-        req = self._best_on(source) if source is not None else None
-        if req is None or req.spec.sampling.logprobs_mode not in ("", w.hello.logprobs_mode):
-            return []
-        req.moving_to, w.incoming = w.hello.worker_id, req.spec.key
-        return [Abort(source.hello.worker_id, req.spec.key, keep_partial=True)]  # type: ignore[union-attr]
+        for wid in self._sources:
+            source = core.workers.get(wid)
+            if source is None or source is w or len(source.running) < 2 or source.version != w.version:
+                continue
+            req = self._best_on(source)
+            if req is not None and req.spec.sampling.logprobs_mode in ("", w.hello.logprobs_mode):
+                req.moving_to, w.incoming = w.hello.worker_id, req.spec.key
+                return [Abort(wid, req.spec.key, keep_partial=True)]
+        return []
 
     def _free(self, w: WorkerState) -> bool:
         """No move to ``w`` is under way (one the core has since taken back no longer counts)."""
@@ -149,7 +160,7 @@ class Mover:
         req.worker, req.moved_from, req.resume = None, worker_id, partial
         req.progress, req.progress_at = len(partial.token_ids), core.clock()
         step.moved += 1
-        actions: list[Action] = [RequestsMoved(step.spec.step_id, (key,))]
+        actions: list[Action] = [RequestsMoved(step.spec.step_id, (key,), resumed=True)]
         if target is not None and target.version == req.spec.policy_version and target.loading is None \
                 and target.load_failed is None:
             target.private.appendleft(key)

@@ -266,6 +266,8 @@ class RequestsMoved:
     step_id: str
     keys: tuple[str, ...]
     requeued: bool = False
+    resumed: bool = False
+    """A long request an idle worker took over, going on from what it generated (``core/moves.py``)."""
 
 
 @dataclass(frozen=True)

@@ -339,3 +339,27 @@ def test_requests_of_a_lost_worker_count_as_requeued_not_moved():
     h.complete(h.assigned[0])
     assert h.value("bubblespec_requests_requeued_total") == 1  # the summary adds nothing twice
     assert h.value("bubblespec_workers_live") == 1
+
+
+def test_a_long_request_taken_over_by_an_idle_worker_counts_as_resumed_not_as_a_straggler():
+    from dataclasses import replace as _replace
+
+    h = Harness()
+    h.core.settings = _replace(h.core.settings, min_tokens_to_move=4)
+    h.run(h.core.add_worker(_replace(_hello("w0", capacity=2), accepts_resume=True)))
+    h.run(h.core.add_worker(_replace(_hello("w1", capacity=1), accepts_resume=True)))
+    h.run(h.core.submit_step(_step("s1", 3)))
+    for a in [a for a in h.assigned if a.worker_id == "w0"]:
+        h.run(h.core.on_progress("w0", a.request.key, 8))
+    short = next(a for a in h.assigned if a.worker_id == "w1")
+    h.assigned.remove(short)
+    actions = h.core.on_completion("w1", short.request.key, _completion(short))  # w1 runs out of work
+    actions += h.core.tick()  # the tick pairs it with the long requests on w0
+    h.service.execute(actions)
+    (stop,) = [x for x in actions if type(x).__name__ == "Abort"]
+    moving = next(a for a in h.assigned if a.request.key == stop.key)
+    partial = Completion("s1", moving.request.prompt_id, 0, (1, 2, 3, 4, 5), (), "", FinishReason.STOP, 0, "w0")
+    h.run(h.core.on_aborted("w0", stop.key, "moved", partial))
+    assert h.value("bubblespec_requests_resumed_total") == 1
+    assert h.value("bubblespec_requests_moved_total") == 0
+    assert h.value("bubblespec_stragglers_detected_total") == 0
