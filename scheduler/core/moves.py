@@ -187,6 +187,7 @@ class Mover:
                 and (step.spec.use_drafts or sampling.seed is None)
                 and not req.done and req.moving_to is None and req.moved_from is None and not req.failures)
 
+
 def _checked(partial: Completion, req: RequestState, limits: ModelLimits | None) -> Completion:
     """``partial`` if it can continue ``req`` (``Mover.arrived``), else ``InvalidRequest``."""
     partial = check_completion(partial, req.spec.key, limits, "aborted.partial")
