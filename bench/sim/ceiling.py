@@ -94,11 +94,6 @@ class Ceiling:
     """The same without any draft: no policy that drafts nothing (``static``) ends before it."""
 
     @property
-    def bound_seconds(self) -> float:
-        """The larger of the two bounds (a request alone, and the workers' work)."""
-        return max(self.floor_seconds, self.work_floor_seconds)
-
-    @property
     def speedup(self) -> float:
         return self.no_draft_floor_seconds / self.floor_seconds
 

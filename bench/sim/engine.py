@@ -92,9 +92,8 @@ class Member:
     batch_at_start: int = 0
     """Batch size when it joined, itself included (makespan attribution)."""
     resumed: int = 0
-    """Tokens it had generated on the worker it moved off (it joined at that position)."""
-    resumed_passes: int = 0
-    """Forward passes those tokens took there."""
+    """Tokens it had generated on the worker it moved off (it joined at that position; their
+    passes and drafts are in ``drafted`` / ``accepted`` from the start)."""
 
     def position(self, passes: float) -> float:
         pos = self.pos0 + (passes - self.p0) * self.rate

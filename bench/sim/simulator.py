@@ -610,7 +610,7 @@ class _Simulation:
                    prompt_tokens=self.workload.prompt_tokens, payload=req, assigned_at=self.now)
         if a.resume is not None:  # moved: it goes on from what it generated on its last worker
             before = a.resume.provenance
-            m.resumed, m.resumed_passes = len(a.resume.token_ids), before.forward_passes
+            m.resumed = len(a.resume.token_ids)
             m.drafted, m.accepted = float(before.drafted()), float(before.accepted())
             if before.sources and not m.source:
                 m.source = before.sources[0].source

@@ -78,8 +78,7 @@ class Mover:
         sources = sorted((o for o in core.workers.values() if len(o.running) >= 2 and o.hello.accepts_resume),
                          key=lambda o: (-len(o.running), o.hello.worker_id))  # ties by id: the same choice every run
         self._sources = [o.hello.worker_id for o in sources[:SOURCES_LOOKED_AT]]
-        idle = [w for w in core.workers.values() if not w.running and w.hello.accepts_resume and w.loading is None
-                and w.load_failed is None and self._free(w)]
+        idle = [w for w in core.workers.values() if self._can_take(w)]
         if not idle:
             return []
         actions: list[Action] = []
@@ -92,8 +91,7 @@ class Mover:
             if target is None:
                 continue
             idle.remove(target)
-            req.moving_to, target.incoming = target.hello.worker_id, req.spec.key
-            actions.append(Abort(source.hello.worker_id, req.spec.key, keep_partial=True))
+            actions.append(self._start(req, source, target))
             if not idle:
                 break
         return actions
@@ -102,19 +100,27 @@ class Mover:
         """``w`` just ran out of work: it takes over the best request of the fullest batches
         seen at the last ``tick`` (the first ``SOURCES_LOOKED_AT``), if one has a movable one;
         ``tick`` pairs the rest."""
-        core = self.core
-        if w.running or not w.hello.accepts_resume or w.loading is not None or w.load_failed is not None \
-                or not self._free(w):
+        if not self._can_take(w):
             return []
         for wid in self._sources:
-            source = core.workers.get(wid)
+            source = self.core.workers.get(wid)
             if source is None or source is w or len(source.running) < 2 or source.version != w.version:
                 continue
             req = self._best_on(source)
             if req is not None and req.spec.sampling.logprobs_mode in ("", w.hello.logprobs_mode):
-                req.moving_to, w.incoming = w.hello.worker_id, req.spec.key
-                return [Abort(wid, req.spec.key, keep_partial=True)]
+                return [self._start(req, source, w)]
         return []
+
+    def _can_take(self, w: WorkerState) -> bool:
+        """``w`` has no request, can continue one, has weights that serve, and no move to it is under way."""
+        return (not w.running and w.hello.accepts_resume and w.loading is None and w.load_failed is None
+                and self._free(w))
+
+    @staticmethod
+    def _start(req: RequestState, source: WorkerState, target: WorkerState) -> Abort:
+        """Reserve ``target`` for ``req`` and ask ``source`` to stop it and send its partial."""
+        req.moving_to, target.incoming = target.hello.worker_id, req.spec.key
+        return Abort(source.hello.worker_id, req.spec.key, keep_partial=True)
 
     def _free(self, w: WorkerState) -> bool:
         """No move to ``w`` is under way (one the core has since taken back no longer counts)."""

@@ -162,10 +162,10 @@ class CoreSettings:
     """A worker that runs out of work takes over the running request with the most tokens so far
     from the worker with the fullest batch, and goes on from what it generated (``core/moves.py``);
     only between workers that can (``WorkerHello.accepts_resume``: the vLLM worker, the
-    simulator's). The simulator (3 seeds, measured H100 profile) gave ``queue`` 1.08x of
-    ``static`` at 64 and 512 workers against 1.05x and 1.01x without, queue+drafts 1.25x and
-    1.19x against 1.19x and 1.17x; the real bench here, whose responses are short, moved one
-    request in 15 steps at ``min_tokens_to_move`` 32 and none at 256 (docs/SIMULATOR.md,
+    simulator's). The simulator (3 seeds, measured H100 profile) gave ``queue`` 1.08x and
+    1.09x of ``static`` at 64 and 512 workers against 1.05x and 1.01x without, queue+drafts
+    1.23x and 1.20x against 1.19x and 1.17x; the real bench here, whose responses are short,
+    moved one request in 15 steps at ``min_tokens_to_move`` 32 and none at 256 (docs/SIMULATOR.md,
     docs/BENCHMARKS.md)."""
     min_tokens_to_move: int = 256
     """A request moves only once it has generated this many tokens (short ones end before a
