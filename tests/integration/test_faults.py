@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import os
 import signal
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Self
 
 import pytest
@@ -111,6 +113,27 @@ async def run_static_step(cluster, step_id: str, ids, drafts: bool = True) -> as
     return asyncio.create_task(raw_generate(cluster.target, req))
 
 
+@contextlib.contextmanager
+def on_first_assign(cluster, step_id: str, fault: Callable[[], None]):
+    """Injects ``fault`` as the scheduler hands the sub worker its first request of ``step_id``,
+    before the bytes go out, so the worker holds work it cannot finish. Waiting to see the worker
+    running, then injecting it, lost the race to a worker that finished its share first."""
+    service, fired = cluster.scheduler.service, []
+
+    def listener(action) -> None:
+        if (not fired and type(action) is Assign and action.worker_id == WORKER
+                and action.request.step_id == step_id):
+            fired.append(action)
+            fault()
+
+    service.listeners.append(listener)
+    try:
+        yield
+    finally:
+        service.listeners.remove(listener)
+    assert fired, f"the sub worker was handed nothing of step {step_id!r}"
+
+
 async def until(predicate, timeout: float = 120.0) -> None:
     for _ in range(int(timeout * 50)):
         if predicate():
@@ -124,12 +147,11 @@ async def test_frozen_worker_declared_dead_then_rejoins_and_loads_policy_first(
     core, service = cluster.scheduler.core, cluster.scheduler.service
     ids = token_prompts(18, seed=501)
     expected = await greedy_reference(client, ids, core.version)
-    await wait_for_worker(cluster, sub_worker)  # its share of the step must reach it
-    task = await run_static_step(cluster, "frozen", ids)
-    await until(lambda: core.workers.get(WORKER) is not None and core.workers[WORKER].running)
-    os.killpg(sub_worker.proc.pid, signal.SIGSTOP)
+    await wait_for_worker(cluster, sub_worker)  # it must be there to be handed a share of the step
     try:
-        comps = assert_exactly_once(await asyncio.wait_for(task, 300), 18, 1)
+        with on_first_assign(cluster, "frozen", lambda: os.killpg(sub_worker.proc.pid, signal.SIGSTOP)):
+            msgs = await asyncio.wait_for(await run_static_step(cluster, "frozen", ids), 300)
+        comps = assert_exactly_once(msgs, 18, 1)
         assert outputs(comps) == expected
         assert WORKER not in core.workers
         # a new policy while it is frozen: when it comes back it must load it before any work
@@ -151,13 +173,9 @@ async def test_network_cut_requeues_and_worker_comes_back(cluster, client, sub_w
     ids = token_prompts(18, seed=511)
     expected = await greedy_reference(client, ids, core.version)
     await wait_for_worker(cluster, sub_worker)
-    # no drafts: the reference run above left history drafts that are all accepted, and with them
-    # the sub worker can finish its share between being seen running and the cut (nothing requeued)
-    task = await run_static_step(cluster, "netcut", ids, drafts=False)
-    await until(lambda: core.workers.get(WORKER) is not None and core.workers[WORKER].running)
-    sub_worker.proxy.freeze()
     try:
-        msgs = await asyncio.wait_for(task, 300)
+        with on_first_assign(cluster, "netcut", sub_worker.proxy.freeze):
+            msgs = await asyncio.wait_for(await run_static_step(cluster, "netcut", ids, drafts=False), 300)
     finally:
         sub_worker.proxy.thaw()
     comps = assert_exactly_once(msgs, 18, 1)
