@@ -79,6 +79,8 @@ class BenchConfig:
     """The scheduler's ``draft_beside_first_step`` (docs/BENCHMARKS.md has both)."""
     spread_samples: bool = False
     """The scheduler's ``spread_samples`` (docs/BENCHMARKS.md has both)."""
+    min_requests_beside_draft_jobs_at_tail: int = CoreSettings.min_requests_beside_draft_jobs_at_tail
+    """The scheduler's ``min_requests_beside_draft_jobs_at_tail``."""
     move_long_requests: bool = CoreSettings.move_long_requests
     """The scheduler's ``move_long_requests``."""
     min_tokens_to_move: int = CoreSettings.min_tokens_to_move
@@ -325,6 +327,7 @@ def _config(args) -> BenchConfig:
                        draft_jobs_during_step=args.draft_jobs_during_step,
                        draft_jobs_beside_requests=args.draft_jobs_beside_requests,
                        draft_beside_first_step=args.draft_beside_first_step, spread_samples=args.spread_samples,
+                       min_requests_beside_draft_jobs_at_tail=args.min_requests_beside_draft_jobs_at_tail,
                        move_long_requests=args.move_long_requests, min_tokens_to_move=args.min_tokens_to_move,
                        runs=args.runs)
 
@@ -360,6 +363,7 @@ def main(args) -> int:
         _tell_start(story, args)
         core = CoreSettings(max_draft_jobs_during_step=None if cfg.draft_jobs_during_step < 0 else cfg.draft_jobs_during_step,
                             draft_beside_first_step=cfg.draft_beside_first_step, spread_samples=cfg.spread_samples,
+                            min_requests_beside_draft_jobs_at_tail=cfg.min_requests_beside_draft_jobs_at_tail,
                             move_long_requests=cfg.move_long_requests, min_tokens_to_move=cfg.min_tokens_to_move)
         if cfg.draft_jobs_beside_requests >= 0:
             core = replace(core, max_draft_jobs_beside_requests=cfg.draft_jobs_beside_requests)

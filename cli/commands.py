@@ -41,7 +41,9 @@ def _scheduler_settings(a: argparse.Namespace, **over) -> SchedulerSettings:
         fields.setdefault("core", CoreSettings(
             spread_samples=a.spread_samples, max_draft_jobs_beside_requests=a.draft_jobs_beside_requests,
             min_requests_beside_draft_jobs=a.min_requests_beside_draft_jobs,
-            draft_beside_first_step=a.draft_beside_first_step, move_long_requests=a.move_long_requests,
+            draft_beside_first_step=a.draft_beside_first_step,
+            min_requests_beside_draft_jobs_at_tail=a.min_requests_beside_draft_jobs_at_tail,
+            move_long_requests=a.move_long_requests,
             min_tokens_to_move=a.min_tokens_to_move))
         return SchedulerSettings(**fields)
     except ValueError as exc:

@@ -78,6 +78,9 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
          "requests than this on a worker (CoreSettings.min_requests_beside_draft_jobs; 0: at any count)")
     _add(p, "draft-beside-first-step", defaults.draft_beside_first_step, "draft jobs beside the first step's requests, "
          "before completions show whether future drafts pay (CoreSettings.draft_beside_first_step)")
+    _add(p, "min-requests-beside-draft-jobs-at-tail", defaults.min_requests_beside_draft_jobs_at_tail, "at a step's "
+         "tail (a worker out of its work), no draft job runs beside fewer requests than this on a worker; idle workers "
+         "draft their prompts (CoreSettings.min_requests_beside_draft_jobs_at_tail; 0: as before the tail)")
     _add(p, "move-long-requests", defaults.move_long_requests, "a worker that runs out of work takes over the running "
          "request with the most tokens from the fullest batch, and goes on from what it generated "
          "(CoreSettings.move_long_requests; docs/SIMULATOR.md)")
@@ -186,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
                                          "over the workers, not a sample group at a time (the scheduler's default)")
     from bubblespec.scheduler.core.state import CoreSettings  # pure: no grpc, vLLM or torch
 
+    _add(bench, "min-requests-beside-draft-jobs-at-tail", CoreSettings.min_requests_beside_draft_jobs_at_tail,
+         "at a step's tail, no draft job beside fewer requests than this on a worker (the scheduler's default)")
     _add(bench, "move-long-requests", CoreSettings.move_long_requests, "an idle worker takes over a long running "
          "request, going on from what it generated (the scheduler's default)")
     _add(bench, "min-tokens-to-move", CoreSettings.min_tokens_to_move, "a request moves only once it has this many "

@@ -86,6 +86,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--spread-samples", action=argparse.BooleanOptionalAction, default=CoreSettings.spread_samples,
                    help="hand out the shared queue a request at a time, a prompt's samples spread over the workers "
                         "(Seer), not a sample group at a time, CoreSettings.spread_samples (default: %(default)s)")
+    p.add_argument("--min-requests-beside-draft-jobs-at-tail", type=int,
+                   default=CoreSettings.min_requests_beside_draft_jobs_at_tail,
+                   help="at a step's tail (a worker out of its work), no draft job runs beside fewer requests than "
+                        "this on a worker, and idle workers draft their prompts, "
+                        "CoreSettings.min_requests_beside_draft_jobs_at_tail; 0: as before the tail")
     p.add_argument("--move-long-requests", action=argparse.BooleanOptionalAction,
                    default=CoreSettings.move_long_requests,
                    help="a worker that runs out of work takes over the running request with the most tokens so far "
@@ -190,6 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                              min_requests_beside_draft_jobs=args.min_requests_beside_draft_jobs,
                                              draft_beside_first_step=args.draft_beside_first_step,
                                              spread_samples=args.spread_samples,
+                                             min_requests_beside_draft_jobs_at_tail=args.min_requests_beside_draft_jobs_at_tail,
                                              move_long_requests=args.move_long_requests,
                                              min_tokens_to_move=args.min_tokens_to_move))
     print(f"profile {profile.name} ({profile.source}); requests/step {args.requests}, {args.samples} samples/prompt, "

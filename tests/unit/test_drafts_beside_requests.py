@@ -87,15 +87,16 @@ def test_work_arriving_keeps_the_longest_predicted_jobs_and_never_a_requests_slo
 
 def drafting_beside():
     """Workers a and b; step s0 runs one prompt and announces ``LONGEST``, whose draft job then
-    runs beside the request and on through the gap; the job's worker and the job."""
+    runs beside the request and on through the gap; the job's worker and the job. Worker b
+    joins after s0 (an idle worker would have drafted the prompt instead)."""
     core = paying_core()
     core.add_worker(hello("a", capacity=4))
-    core.add_worker(hello("b", capacity=4))
     actions = core.submit_step(prompts_step_with_lookahead("s0", [(5, 6)], [LONGEST]))
     (a,) = of(actions, Assign)
     (job,) = of(actions, StartDraft)
     assert job.worker_id == a.worker_id and job.job.prompt_token_ids == LONGEST
     complete(core, a)
+    core.add_worker(hello("b", capacity=4))
     return core, job
 
 
@@ -194,3 +195,84 @@ def test_no_job_starts_beside_fewer_requests_than_the_minimum_where_one_is_set()
     job = next(iter(core.workers["a"].drafts))
     after = core.on_draft_result("a", job, tokens=30, finished=True)
     assert not of(after, StartDraft) and len(core.workers["a"].drafts) == 1
+
+
+UPCOMING = [LONG, LONGER, LONGEST, (7, 7)]
+
+
+def two_busy_workers(**settings):
+    """Workers a and b, each running one request of step s1; the four upcoming prompts' jobs run
+    beside one of them. Returns the core, the assignments by worker, and the worker with the jobs."""
+    core = paying_core(**settings)
+    core.add_worker(hello("a", capacity=8))
+    core.add_worker(hello("b", capacity=8))
+    actions = core.submit_step(prompts_step_with_lookahead("s1", [(5, 6), (5, 7)], UPCOMING))
+    assigns = {a.worker_id: a for a in of(actions, Assign)}
+    assert set(assigns) == {"a", "b"} and not of(actions, StopDraft)
+    (drafting,) = {s.worker_id for s in of(actions, StartDraft)}
+    assert len(core.workers[drafting].drafts) == 4  # max_draft_jobs_beside_requests
+    return core, assigns, drafting
+
+
+def test_at_the_tail_a_lone_requests_jobs_stop_and_the_idle_worker_drafts_their_prompts() -> None:
+    core, assigns, busy = two_busy_workers()
+    idle = "b" if busy == "a" else "a"
+    jobs = dict(core.workers[busy].drafts)
+    # the other worker runs out of the step's work: the tail begins, and one request is fewer than three
+    actions = complete(core, assigns[idle])
+    assert {s.job_id for s in of(actions, StopDraft) if s.worker_id == busy} == set(jobs)
+    assert not core.workers[busy].drafts
+    # each stopped job's result hands its prompt to the idle worker, never back to the busy one
+    started = []
+    for job in jobs:
+        result = core.on_draft_result(busy, job, tokens=5, finished=False)
+        assert not [s for s in of(result, StartDraft) if s.worker_id == busy]
+        started += [s.job.prompt_token_ids for s in of(result, StartDraft) if s.worker_id == idle]
+    assert sorted(started) == sorted(UPCOMING)
+    assert not core.workers[busy].drafts and len(core.workers[idle].drafts) == 4
+    # the next step: jobs beside requests again
+    complete(core, assigns[busy])
+    core.submit_step(prompts_step_with_lookahead("s2", [(5, 6), (5, 7)], UPCOMING + [(7, 6)]))
+    assert any(w.running and w.drafts for w in core.workers.values())
+
+
+def test_at_the_tail_jobs_stay_beside_fuller_batches_and_none_starts_beside_a_few() -> None:
+    core = paying_core()
+    core.add_worker(hello("a", capacity=8))
+    core.add_worker(hello("b", capacity=8))
+    upcoming = UPCOMING + [(6, i) for i in range(8)]
+    actions = core.submit_step(prompts_step_with_lookahead("s1", [(5, i) for i in range(7)], upcoming,
+                                                           SchedulingPolicy.STATIC))
+    by_worker: dict[str, list[Assign]] = {}
+    for a in of(actions, Assign):
+        by_worker.setdefault(a.worker_id, []).append(a)
+    busy, idle = sorted(by_worker, key=lambda w: -len(by_worker[w]))
+    assert len(by_worker[busy]) == 4 and len(core.workers[busy].drafts) == 4
+    for a in by_worker[idle]:
+        actions = complete(core, a)
+    # the tail: the busy worker's four requests are at least three, so its jobs stay
+    assert not of(actions, StopDraft) and len(core.workers[busy].drafts) == 4
+    for a in by_worker[busy][:2]:  # two requests left: its running jobs go on, but a finished one is not replaced
+        complete(core, a)
+    assert len(core.workers[busy].drafts) == 4
+    job = next(iter(core.workers[busy].drafts))
+    assert not [s for s in of(core.on_draft_result(busy, job, tokens=9), StartDraft) if s.worker_id == busy]
+    assert len(core.workers[busy].drafts) == 3
+
+
+def test_with_the_setting_at_zero_jobs_stay_beside_a_lone_request_at_the_tail() -> None:
+    core, assigns, busy = two_busy_workers(min_requests_beside_draft_jobs_at_tail=0)
+    idle = "b" if busy == "a" else "a"
+    actions = complete(core, assigns[idle])
+    assert not of(actions, StopDraft) and len(core.workers[busy].drafts) == 4
+
+
+def test_a_step_with_a_worker_idle_from_its_start_runs_no_job_beside_requests() -> None:
+    core = paying_core()
+    core.add_worker(hello("a", capacity=8))
+    core.add_worker(hello("b", capacity=8))
+    actions = core.submit_step(prompts_step_with_lookahead("s1", [(5, 6)], UPCOMING))
+    (a,) = of(actions, Assign)
+    idle = "b" if a.worker_id == "a" else "a"
+    assert not of(actions, StopDraft)  # no job started beside the request and stopped at once
+    assert {s.worker_id for s in of(actions, StartDraft)} == {idle} and not core.workers[a.worker_id].drafts

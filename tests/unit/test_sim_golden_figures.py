@@ -26,6 +26,11 @@ tail" 27.00 / 27.34 / 35.45 s became 27.00 / 27.15 / 35.34 s.
 Moving long requests to idle workers (``CoreSettings.move_long_requests``, on since
 2026-11-25) is a new rule too: the cases before it run without it and give their figures to
 the bit; "queue+drafts, moves" runs it at its default (the "beside requests" case with it).
+
+No draft job beside a worker's last requests at a step's tail
+(``CoreSettings.min_requests_beside_draft_jobs_at_tail``, 3 since 2026-11-25) is the next rule:
+the cases before it run without it (0) and give their figures to the bit; "queue+drafts, tail"
+is the "moves" case at every default (39.54 / 47.54 / 35.77 s there, 39.66 / 47.55 / 35.07 s here).
 """
 
 from __future__ import annotations
@@ -47,8 +52,10 @@ from bubblespec.scheduler.core.state import CoreSettings, _total
 GPU_H100_7B = GPU_H100_7B_PUBLISHED
 CPU_TINY_2026_11_22 = CostProfile("cpu-tiny-2026-11-22", 5.35e-3, 1.47e-4, 6.24e-5, 2.32e-5)
 
-BEFORE_BESIDE = SimSettings(core=CoreSettings(max_draft_jobs_beside_requests=0, move_long_requests=False))
-BEFORE_MOVES = SimSettings(core=CoreSettings(move_long_requests=False))
+BEFORE_BESIDE = SimSettings(core=CoreSettings(max_draft_jobs_beside_requests=0, move_long_requests=False,
+                                              min_requests_beside_draft_jobs_at_tail=0))
+BEFORE_MOVES = SimSettings(core=CoreSettings(move_long_requests=False, min_requests_beside_draft_jobs_at_tail=0))
+BEFORE_TAIL = SimSettings(core=CoreSettings(min_requests_beside_draft_jobs_at_tail=0))
 
 CASES = {
     "queue+drafts": dict(policy="queue", workers=24, requests_per_step=1536, steps=3, profile=GPU_H100_7B,
@@ -56,7 +63,9 @@ CASES = {
     "queue+drafts, beside requests": dict(policy="queue", workers=24, requests_per_step=1536, steps=3,
                                           profile=GPU_H100_7B, drafting=True, settings=BEFORE_MOVES),
     "queue+drafts, moves": dict(policy="queue", workers=24, requests_per_step=1536, steps=3,
-                                profile=GPU_H100_7B, drafting=True),
+                                profile=GPU_H100_7B, drafting=True, settings=BEFORE_TAIL),
+    "queue+drafts, tail": dict(policy="queue", workers=24, requests_per_step=1536, steps=3,
+                               profile=GPU_H100_7B, drafting=True),
     "static": dict(policy="static", workers=24, requests_per_step=1536, steps=2, profile=GPU_H100_7B, drafting=False),
     "longest-first+drafts, fixed rule": dict(policy="longest-first", workers=12, requests_per_step=768, steps=3,
                                              profile=GPU_H100_7B, drafting=True, settings=BEFORE_BESIDE,
@@ -93,11 +102,17 @@ GOLDEN = {
         (39.92761482545018, 908770, 0, 0, 594.2066721374429, 80.7436648242026, 283.31241884915886, 0, 1489),
         (48.679391194872935, 421168, 508159, 1519716, 538.3894721137875, 188.6527424173596, 441.2631741458034, 1536, 1519),
         (35.74334245958285, 401268, 517816, 1566757, 421.84765937776655, 18.2304812803323, 417.7620783718895, 1536, 1446),
-    ], 10192),    'queue+drafts, moves': ([
+    ], 10192),
+    'queue+drafts, moves': ([
         (39.54011716105078, 908770, 0, 0, 699.5383149258612, 81.72445222397299, 167.70004471538462, 0, 1835),
         (47.53705432001265, 421830, 507497, 1534808, 661.207716939052, 104.520476041854, 375.16111069939757, 1536, 1800),
         (35.770236450764585, 401997, 517087, 1568846, 514.8880730918577, 106.62277453142597, 236.97482719506627, 1536, 1779),
     ], 10247),
+    'queue+drafts, tail': ([
+        (39.656752291382055, 908770, 0, 0, 693.3742804183925, 75.57993266072022, 182.80784191405644, 0, 1863),
+        (47.5467996033827, 422678, 506649, 1532939, 653.1709135706951, 206.0700648782358, 281.88221203225396, 1536, 1802),
+        (35.07338848746437, 402130, 516954, 1566649, 510.91638801243175, 112.01999165683817, 218.82494402987476, 1536, 1736),
+    ], 10127),
 }
 
 
