@@ -158,9 +158,9 @@ class CoreSettings:
     1.01x without; the real bench here, where two engines share two cores with the control
     process, gave ``queue`` 0.86-0.92x with it against 0.93-1.02x without (docs/BENCHMARKS.md,
     docs/SIMULATOR.md). Hence off by default; on where each worker has its own CPUs."""
-    min_requests_beside_draft_jobs_at_tail: int = 3
-    """At a step's tail, no draft job starts beside fewer requests than this on a worker (0: the
-    same as before the tail). The tail begins when the first worker that can draft has none of
+    min_requests_beside_draft_jobs_at_tail: int = 0
+    """At a step's tail, no draft job starts beside fewer requests than this on a worker (0, the
+    default: the same as before the tail). The tail begins when the first worker that can draft has none of
     the step's work left; then every worker with fewer requests stops the jobs beside them (their
     prompts go back to the planner with their partial drafts, and the idle worker that began the
     tail drafts them). Such a worker runs what the step's end waits for, in passes its few
@@ -170,7 +170,13 @@ class CoreSettings:
     there a job is a small share of the pass, and where idle workers are few their drafting is
     most of the next step's drafts. A job already running when a worker's requests fall below
     it later runs on: stopping it too, tried, made the simulator's 24-worker rows 4-6% slower
-    (its prompt restarts elsewhere, with a prefill and its partial draft verified again)."""
+    (its prompt restarts elsewhere, with a prefill and its partial draft verified again).
+    With 3, the simulator (measured H100 profile, 3 seeds) gave queue+drafts 1.27x and 1.28x at
+    64 and 512 workers against 1.23x and 1.20x with 0; the real bench here (bubbles only, 3
+    alternating sets) bubblespec 1.00-1.33x against 1.50-1.53x: on two workers the idle one's
+    drafting is already full, and the jobs beside the last requests draft the next step's
+    longest prompts, which greedy decoding accepts almost whole. Hence 0 by default; 3 where
+    idle workers are many (docs/SIMULATOR.md, docs/BENCHMARKS.md)."""
     move_long_requests: bool = True
     """A worker that runs out of work takes over the running request with the most tokens so far
     from the worker with the fullest batch, and goes on from what it generated (``core/moves.py``);
@@ -621,7 +627,7 @@ class SchedulerCore(CoreView):
             return [] if self._held else self._fill_all()
         actions = self._fill(w)
         if w.running and self._tail is not None and (first := self.workers.get(self._tail)) is not None \
-                and not first.running:  # a job the tail stopped: the worker that began it drafts the prompt
+                and not first.running:  # e.g. a job the tail stopped: the idle worker that began the tail drafts it
             actions += self._plan_drafts(first)
         return actions
 
@@ -788,7 +794,8 @@ class SchedulerCore(CoreView):
         """Spread available work: one sample group at a time (one request at a time with
         ``spread_samples``) to the worker with the fewest predicted tokens to go (core/balance.py)."""
         actions = self.balancer.fill(self._group_size())
-        if self._tail is None:  # before any worker plans jobs beside its requests (``_tail_begins``)
+        # the tail may begin now (``_tail_begins``): before any worker plans jobs beside its requests
+        if self._tail is None and self.settings.min_requests_beside_draft_jobs_at_tail:
             for w in self.workers.values():
                 if cleared := self._tail_begins(w):
                     actions += cleared
@@ -837,11 +844,12 @@ class SchedulerCore(CoreView):
 
     def _beside(self, w: WorkerState, busy: int) -> int:
         """Draft jobs ``w`` may run beside ``busy`` requests (never in a request's slot; none
-        beside fewer than ``min_requests_beside_draft_jobs``, while future drafts do not pay or
-        while the trainer's gaps are long; ``CoreSettings.max_draft_jobs_beside_requests``)."""
+        beside fewer than ``min_requests_beside_draft_jobs``, or at the step's tail than
+        ``min_requests_beside_draft_jobs_at_tail``, beside a moved request, while future drafts
+        do not pay or while the trainer's gaps are long; ``CoreSettings.max_draft_jobs_beside_requests``)."""
         if busy < self.settings.min_requests_beside_draft_jobs or self._long_gap or not self._future_drafts_pay() \
                 or w.moved_in or (self._tail is not None and busy < self.settings.min_requests_beside_draft_jobs_at_tail):
-            return 0  # a moved request is a step's tail too: nothing beside it (core/moves.py)
+            return 0
         return max(0, min(self.settings.max_draft_jobs_beside_requests, w.capacity - busy))
 
     def _future_drafts_pay(self) -> bool:

@@ -87,16 +87,15 @@ def test_work_arriving_keeps_the_longest_predicted_jobs_and_never_a_requests_slo
 
 def drafting_beside():
     """Workers a and b; step s0 runs one prompt and announces ``LONGEST``, whose draft job then
-    runs beside the request and on through the gap; the job's worker and the job. Worker b
-    joins after s0 (an idle worker would have drafted the prompt instead)."""
+    runs beside the request and on through the gap; the job's worker and the job."""
     core = paying_core()
     core.add_worker(hello("a", capacity=4))
+    core.add_worker(hello("b", capacity=4))
     actions = core.submit_step(prompts_step_with_lookahead("s0", [(5, 6)], [LONGEST]))
     (a,) = of(actions, Assign)
     (job,) = of(actions, StartDraft)
     assert job.worker_id == a.worker_id and job.job.prompt_token_ids == LONGEST
     complete(core, a)
-    core.add_worker(hello("b", capacity=4))
     return core, job
 
 
@@ -200,10 +199,10 @@ def test_no_job_starts_beside_fewer_requests_than_the_minimum_where_one_is_set()
 UPCOMING = [LONG, LONGER, LONGEST, (7, 7)]
 
 
-def two_busy_workers(**settings):
+def two_busy_workers(at_tail: int = 3, **settings):
     """Workers a and b, each running one request of step s1; the four upcoming prompts' jobs run
     beside one of them. Returns the core, the assignments by worker, and the worker with the jobs."""
-    core = paying_core(**settings)
+    core = paying_core(min_requests_beside_draft_jobs_at_tail=at_tail, **settings)
     core.add_worker(hello("a", capacity=8))
     core.add_worker(hello("b", capacity=8))
     actions = core.submit_step(prompts_step_with_lookahead("s1", [(5, 6), (5, 7)], UPCOMING))
@@ -237,7 +236,7 @@ def test_at_the_tail_a_lone_requests_jobs_stop_and_the_idle_worker_drafts_their_
 
 
 def test_at_the_tail_jobs_stay_beside_fuller_batches_and_none_starts_beside_a_few() -> None:
-    core = paying_core()
+    core = paying_core(min_requests_beside_draft_jobs_at_tail=3)
     core.add_worker(hello("a", capacity=8))
     core.add_worker(hello("b", capacity=8))
     upcoming = UPCOMING + [(6, i) for i in range(8)]
@@ -260,15 +259,15 @@ def test_at_the_tail_jobs_stay_beside_fuller_batches_and_none_starts_beside_a_fe
     assert len(core.workers[busy].drafts) == 3
 
 
-def test_with_the_setting_at_zero_jobs_stay_beside_a_lone_request_at_the_tail() -> None:
-    core, assigns, busy = two_busy_workers(min_requests_beside_draft_jobs_at_tail=0)
+def test_at_zero_the_default_jobs_stay_beside_a_lone_request_at_the_tail() -> None:
+    core, assigns, busy = two_busy_workers(at_tail=0)
     idle = "b" if busy == "a" else "a"
     actions = complete(core, assigns[idle])
     assert not of(actions, StopDraft) and len(core.workers[busy].drafts) == 4
 
 
 def test_a_step_with_a_worker_idle_from_its_start_runs_no_job_beside_requests() -> None:
-    core = paying_core()
+    core = paying_core(min_requests_beside_draft_jobs_at_tail=3)
     core.add_worker(hello("a", capacity=8))
     core.add_worker(hello("b", capacity=8))
     actions = core.submit_step(prompts_step_with_lookahead("s1", [(5, 6)], UPCOMING))

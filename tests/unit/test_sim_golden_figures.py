@@ -28,9 +28,9 @@ Moving long requests to idle workers (``CoreSettings.move_long_requests``, on si
 the bit; "queue+drafts, moves" runs it at its default (the "beside requests" case with it).
 
 No draft job beside a worker's last requests at a step's tail
-(``CoreSettings.min_requests_beside_draft_jobs_at_tail``, 3 since 2026-11-25) is the next rule:
-the cases before it run without it (0) and give their figures to the bit; "queue+drafts, tail"
-is the "moves" case at every default (39.54 / 47.54 / 35.77 s there, 39.66 / 47.55 / 35.07 s here).
+(``CoreSettings.min_requests_beside_draft_jobs_at_tail``, 2026-11-25; 0 by default) is the next rule:
+every other case runs without it and gives its figures to the bit; "queue+drafts, tail" is the
+"moves" case with it at 3 (39.54 / 47.54 / 35.77 s there, 39.66 / 47.55 / 35.07 s here).
 """
 
 from __future__ import annotations
@@ -52,10 +52,9 @@ from bubblespec.scheduler.core.state import CoreSettings, _total
 GPU_H100_7B = GPU_H100_7B_PUBLISHED
 CPU_TINY_2026_11_22 = CostProfile("cpu-tiny-2026-11-22", 5.35e-3, 1.47e-4, 6.24e-5, 2.32e-5)
 
-BEFORE_BESIDE = SimSettings(core=CoreSettings(max_draft_jobs_beside_requests=0, move_long_requests=False,
-                                              min_requests_beside_draft_jobs_at_tail=0))
-BEFORE_MOVES = SimSettings(core=CoreSettings(move_long_requests=False, min_requests_beside_draft_jobs_at_tail=0))
-BEFORE_TAIL = SimSettings(core=CoreSettings(min_requests_beside_draft_jobs_at_tail=0))
+BEFORE_BESIDE = SimSettings(core=CoreSettings(max_draft_jobs_beside_requests=0, move_long_requests=False))
+BEFORE_MOVES = SimSettings(core=CoreSettings(move_long_requests=False))
+AT_TAIL = SimSettings(core=CoreSettings(min_requests_beside_draft_jobs_at_tail=3))
 
 CASES = {
     "queue+drafts": dict(policy="queue", workers=24, requests_per_step=1536, steps=3, profile=GPU_H100_7B,
@@ -63,9 +62,9 @@ CASES = {
     "queue+drafts, beside requests": dict(policy="queue", workers=24, requests_per_step=1536, steps=3,
                                           profile=GPU_H100_7B, drafting=True, settings=BEFORE_MOVES),
     "queue+drafts, moves": dict(policy="queue", workers=24, requests_per_step=1536, steps=3,
-                                profile=GPU_H100_7B, drafting=True, settings=BEFORE_TAIL),
+                                profile=GPU_H100_7B, drafting=True),
     "queue+drafts, tail": dict(policy="queue", workers=24, requests_per_step=1536, steps=3,
-                               profile=GPU_H100_7B, drafting=True),
+                               profile=GPU_H100_7B, drafting=True, settings=AT_TAIL),
     "static": dict(policy="static", workers=24, requests_per_step=1536, steps=2, profile=GPU_H100_7B, drafting=False),
     "longest-first+drafts, fixed rule": dict(policy="longest-first", workers=12, requests_per_step=768, steps=3,
                                              profile=GPU_H100_7B, drafting=True, settings=BEFORE_BESIDE,
