@@ -21,11 +21,12 @@ def test_without_flags_the_core_has_its_defaults() -> None:
 
 def test_each_flag_sets_its_field() -> None:
     core = settings("--spread-samples", "--draft-jobs-beside-requests", "2", "--min-requests-beside-draft-jobs", "8",
-                    "--no-draft-beside-first-step").core
+                    "--no-draft-beside-first-step", "--min-requests-beside-draft-jobs-at-tail", "3").core
     assert core.spread_samples is True
     assert core.max_draft_jobs_beside_requests == 2
     assert core.min_requests_beside_draft_jobs == 8
     assert core.draft_beside_first_step is False
+    assert core.min_requests_beside_draft_jobs_at_tail == 3
     assert core.max_draft_jobs_per_worker == CoreSettings().max_draft_jobs_per_worker  # the rest untouched
 
 
@@ -42,7 +43,9 @@ def test_environment_sets_them(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize(("flag", "field"), [("--draft-jobs-beside-requests", "max_draft_jobs_beside_requests"),
-                                             ("--min-requests-beside-draft-jobs", "min_requests_beside_draft_jobs")])
+                                             ("--min-requests-beside-draft-jobs", "min_requests_beside_draft_jobs"),
+                                             ("--min-requests-beside-draft-jobs-at-tail",
+                                              "min_requests_beside_draft_jobs_at_tail")])
 def test_a_negative_count_is_refused_naming_the_setting(flag: str, field: str) -> None:
     with pytest.raises(SystemExit, match=f"bad scheduler flag: {field}: must be a whole number >= 0, got -1"):
         settings(flag, "-1")
