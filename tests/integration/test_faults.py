@@ -227,21 +227,27 @@ async def test_throttled_worker_has_its_queued_work_moved(cluster, client, sub_w
     assert per_worker[WORKER] <= 30 - summary.requests_moved, f"moved work went back to the slow worker: {per_worker}"
 
 
-async def test_trainer_disconnect_cancels_the_step_and_frees_workers(cluster):
+async def test_trainer_disconnect_cancels_the_step_and_frees_workers(cluster, sub_worker):
     core, service = cluster.scheduler.core, cluster.scheduler.service
+    await wait_for_worker(cluster, sub_worker)
     service.orphan_grace_seconds, old = 1.0, service.orphan_grace_seconds
     try:
         req = generate_request("abandoned", token_prompts(24, seed=531), SamplingParams(
-            temperature=0, max_tokens=400, ignore_eos=True), policy_version=core.version)
-        call = asyncio.create_task(raw_generate(cluster.target, req))
-        await until(lambda: "abandoned" in core.steps and core.steps["abandoned"].completions or
-                    any(w.running for w in core.workers.values()))
+            temperature=0, max_tokens=400, ignore_eos=True), policy=SchedulingPolicy.STATIC,
+            policy_version=core.version)
+        # the sub worker stops as it is handed its share, so the step cannot end before the orphan
+        # grace period does (the other workers' shares alone took about as long as the grace)
+        with on_first_assign(cluster, "abandoned", lambda: os.killpg(sub_worker.proc.pid, signal.SIGSTOP)):
+            call = asyncio.create_task(raw_generate(cluster.target, req))
+            await until(lambda: any(w.running for w in core.workers.values()))
         call.cancel()  # the trainer goes away
         await until(lambda: core.steps["abandoned"].cancelled, timeout=30)
         await until(lambda: not any(k.startswith("abandoned/") for w in core.workers.values() for k in w.running),
                     timeout=10)
     finally:
+        os.killpg(sub_worker.proc.pid, signal.SIGCONT)
         service.orphan_grace_seconds = old
+    await wait_for_worker(cluster, sub_worker)
 
 
 def _free_port() -> int:

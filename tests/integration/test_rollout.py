@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import grpc
 import pytest
@@ -112,20 +111,25 @@ async def test_worker_killed_mid_step_loses_and_duplicates_nothing(cluster, tiny
         sampling = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
         req = generate_request("killed", ids, sampling, n=2, policy=SchedulingPolicy.STATIC,
                                policy_version=version(cluster))
-        # The kill is timed by a thread, not by this event loop: the loop also runs the shared
-        # workers' engine frontends, and under load it once woke so late that the doomed worker
-        # had finished its share (nothing to re-queue). Reading the core's state from the thread
-        # is a read of a dict under the GIL.
-        def kill_mid_step() -> None:
-            deadline = time.monotonic() + 600
-            while time.monotonic() < deadline and not (core.workers.get("doomed") and core.workers["doomed"].running):
-                time.sleep(0.01)
-            time.sleep(0.3)
-            os.killpg(proc.pid, signal.SIGKILL)
+        # The kill is timed from the moment the scheduler hands the doomed worker its share (a
+        # service listener, called before the assignment goes out), by a timer thread, not by this
+        # event loop: the loop also runs the shared workers' engine frontends, and under load it
+        # once woke so late that the doomed worker had finished its share (nothing to re-queue).
+        # 0.1 s in, the worker is mid-generation: its 16 requests of 200 tokens take 200 passes,
+        # over 0.4 s at the fastest pass this engine makes.
+        killer = threading.Timer(0.1, os.killpg, (proc.pid, signal.SIGKILL))
 
-        killer = threading.Thread(target=kill_mid_step, daemon=True)
-        killer.start()
-        msgs = await asyncio.wait_for(raw_generate(cluster.target, req), 600)
+        def on_assign(action) -> None:
+            if killer.ident is None and getattr(action, "worker_id", None) == "doomed" \
+                    and getattr(getattr(action, "request", None), "step_id", None) == "killed":
+                killer.start()
+
+        cluster.scheduler.service.listeners.append(on_assign)
+        try:
+            msgs = await asyncio.wait_for(raw_generate(cluster.target, req), 600)
+        finally:
+            cluster.scheduler.service.listeners.remove(on_assign)
+        assert killer.ident is not None, "the doomed worker was handed nothing"
         await asyncio.to_thread(killer.join, 5)
     finally:
         if proc.poll() is None:
