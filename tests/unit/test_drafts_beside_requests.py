@@ -236,10 +236,11 @@ def test_at_the_tail_a_lone_requests_jobs_stop_and_the_idle_worker_drafts_their_
 
 
 def test_at_the_tail_jobs_stay_beside_fuller_batches_and_none_starts_beside_a_few() -> None:
-    core = paying_core(min_requests_beside_draft_jobs_at_tail=3)
+    # an idle worker drafts 2 jobs at most: prompts are left for a busy worker to start jobs for
+    core = paying_core(min_requests_beside_draft_jobs_at_tail=3, max_draft_jobs_per_worker=2)
     core.add_worker(hello("a", capacity=8))
     core.add_worker(hello("b", capacity=8))
-    upcoming = UPCOMING + [(6, i) for i in range(8)]
+    upcoming = UPCOMING + [(6, i) for i in range(16)]
     actions = core.submit_step(prompts_step_with_lookahead("s1", [(5, i) for i in range(7)], upcoming,
                                                            SchedulingPolicy.STATIC))
     by_worker: dict[str, list[Assign]] = {}
