@@ -338,7 +338,10 @@ class WorkerAgent:
         if self.tasks:
             logger.warning("worker %s: cancelling %d running task(s) before loading version %d",
                            self.worker_id, len(self.tasks), cmd.version)
-            await self._drop_all()
+        # and the draft jobs the scheduler stopped just before (``_stop_draft`` does not wait for
+        # their aborts): a request still in the engine holds KV blocks, and the load's prefix-cache
+        # reset then fails (a CI run saw it, right after a bench's draft jobs were stopped)
+        await self._drop_all()
         try:
             await self.engine.load_weights(cmd.weights_path)
         except CheckpointError as exc:  # refused before any weight changed: keep serving the old version

@@ -159,3 +159,37 @@ async def test_a_stored_draft_is_reported_with_its_tokens_through_the_resilient_
     assert result.tokens == 300
     [entry] = (await store.get_drafts([prompt_key(PROMPT)]))[prompt_key(PROMPT)]
     assert len(entry.tokens) == 300
+
+
+class LoadingEngine(SlowAbortEngine):
+    """``load_weights`` fails, as vLLM's prefix-cache reset does, while a request is still in
+    the engine (begun and not aborted)."""
+
+    async def load_weights(self, path: str) -> None:
+        begun = sum(e.endswith("begins") for e in self.events)
+        ended = sum(e.endswith("ends") for e in self.events)
+        if begun != ended or not self.generating.is_set() or not begun:
+            raise RuntimeError(f"loaded {path!r} but could not reset the prefix cache (blocks still in use)")
+        self.events.append(f"load {path}")
+
+
+async def test_a_load_right_after_a_stop_waits_for_the_stopped_jobs_abort() -> None:
+    engine = LoadingEngine()
+    agent = WorkerAgent(WorkerSettings(worker_id="w", policy_version=3), engine, MemoryStore())  # type: ignore[arg-type]
+    await asyncio.wait_for(_stop_when_generating(agent, engine, "d1"), 5)
+    assert not agent.tasks and agent._stopped_jobs  # stopped, its abort not yet done
+    load = asyncio.create_task(agent._load_policy(pb.LoadPolicy(version=4, weights_path="/w4")))
+    await asyncio.sleep(0.05)
+    assert not load.done()  # the load waits for the abort
+    engine.release.set()
+    await asyncio.wait_for(load, 5)
+    assert engine.events[-1] == "load /w4" and agent.version == 4
+    loaded = [m.policy_loaded for m in _sent(agent) if m.WhichOneof("kind") == "policy_loaded"]
+    assert [(m.version, m.ok) for m in loaded] == [(4, True)]
+
+
+def _sent(agent: WorkerAgent) -> list[pb.WorkerMessage]:
+    out = []
+    while not agent.outbox.empty():
+        out.append(agent.outbox.get_nowait())
+    return out
