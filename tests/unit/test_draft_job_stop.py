@@ -18,6 +18,7 @@ from bubblespec.store.memory import MemoryStore
 from bubblespec.store.types import StoreUnavailable
 from bubblespec.worker.agent import WorkerAgent, WorkerSettings
 from bubblespec.worker.engine import EngineInfo, EngineOutput, EngineRequest
+from tests.unit.test_worker_policy_load import sent
 
 PROMPT = (5, 6, 7)
 
@@ -184,12 +185,5 @@ async def test_a_load_right_after_a_stop_waits_for_the_stopped_jobs_abort() -> N
     engine.release.set()
     await asyncio.wait_for(load, 5)
     assert engine.events[-1] == "load /w4" and agent.version == 4
-    loaded = [m.policy_loaded for m in _sent(agent) if m.WhichOneof("kind") == "policy_loaded"]
+    loaded = [m.policy_loaded for m in sent(agent) if m.WhichOneof("kind") == "policy_loaded"]
     assert [(m.version, m.ok) for m in loaded] == [(4, True)]
-
-
-def _sent(agent: WorkerAgent) -> list[pb.WorkerMessage]:
-    out = []
-    while not agent.outbox.empty():
-        out.append(agent.outbox.get_nowait())
-    return out
