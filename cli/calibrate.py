@@ -135,7 +135,8 @@ def main(args) -> None:
     from bubblespec.worker.engine import VllmEngine
 
     args.model = args.model or ensure_tiny_model()
-    settings = replace(_engine_settings(args), draft_token_seconds=0.0)  # full drafts: the rule would shorten them
+    # full drafts: a cost rule, set or measured, would shorten them
+    settings = replace(_engine_settings(args), draft_token_seconds=0.0, measure_draft_cost=False)
     _preload_vllm()  # before the loop starts: VllmEngine.start would import it on the loop
 
     async def go() -> dict:

@@ -59,7 +59,8 @@ def _engine_settings(a: argparse.Namespace) -> EngineSettings:
                               tensor_parallel_size=a.tensor_parallel_size, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
                               dtype=a.dtype, cpu_cores=a.cpu_cores, logprobs_mode=a.logprobs_mode,
                               self_suffix_drafting=a.self_suffix_drafting,
-                              draft_token_seconds=a.draft_token_seconds, draft_for_makespan=a.draft_for_makespan,
+                              draft_token_seconds=a.draft_token_seconds, measure_draft_cost=a.measure_draft_cost,
+                              draft_for_makespan=a.draft_for_makespan,
                               allow_unsupported_vllm=a.allow_unsupported_vllm, self_checks=not a.unsafe_skip_self_checks,
                               weight_transfer_backend=a.weight_transfer_backend or None)
     except ValueError as exc:

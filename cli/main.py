@@ -106,9 +106,12 @@ def _engine_flags(p: argparse.ArgumentParser, speculative_tokens: int = 8, draft
     _add(p, "self-suffix-drafting", False, "where no stored or sibling draft continues a request, draft from its own "
          "prompt + output (draft source 'suffix'; exact either way)")
     _add(p, "draft-token-seconds", draft_token_seconds, "seconds one draft token adds to a pass (per_draft_token_seconds from "
-         "`bubblespec calibrate`): draft length by cost, none where it costs more than it saves (0 = by acceptance only)")
-    _add(p, "draft-for-makespan", True, "with --draft-token-seconds: draft lengths that end the batch's last request "
-         "soonest (deep for the long requests, none for the short) instead of the batch's most tokens/s")
+         "`bubblespec calibrate`): draft length by cost, none where it costs more than it saves (0 = measured by the "
+         "engine, --measure-draft-cost)")
+    _add(p, "measure-draft-cost", True, "with --draft-token-seconds 0: the engine measures what a draft token adds to "
+         "its steps as it runs, then drafts by cost with that figure (off: by acceptance only)")
+    _add(p, "draft-for-makespan", True, "with a draft token's cost set or measured: draft lengths that end the batch's "
+         "last request soonest (deep for the long requests, none for the short) instead of the batch's most tokens/s")
     _add(p, "allow-unsupported-vllm", False, "start on a vLLM release the worker was not checked against "
          "(exactness UNVERIFIED; logged loudly)")
     _add(p, "unsafe-skip-self-checks", False, "UNSAFE: skip the start-up self-checks (drafts, CPU sampler fix, "

@@ -49,7 +49,8 @@ import numpy as np
 
 from bubblespec.scheduler.core.drafting import paying_draft_tokens
 
-__all__ = ["SOURCES", "Candidate", "DraftLength", "RequestDrafter", "StepRate", "SuffixIndex", "SuffixRule"]
+__all__ = ["SOURCES", "Candidate", "DraftCostFit", "DraftLength", "RequestDrafter", "StepRate", "SuffixIndex",
+           "SuffixRule"]
 
 SOURCES = ("future", "history", "sibling", "suffix")
 
@@ -149,6 +150,80 @@ class StepRate:
     def tokens_per_second(self) -> float:
         """The batch's smoothed rate; 0 before any step was measured."""
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class DraftCostFit:
+    """What one draft token adds to an engine step, measured from the engine's own steps.
+
+    The paying rule (``DraftLength``) needs ``draft_token_seconds``, which depends on the model,
+    the hardware and the kernels. Rather than have every deployment run ``bubblespec calibrate``
+    and pass the figure by hand, the proposer fits it as the engine runs: each clean step (no
+    request joined, so no prefill in it; every row sampled) gives its wall time ``y``, its
+    rows ``n`` and the draft tokens it verified ``d``, and ``y = base + per_row x n +
+    per_draft_token x d`` is fitted by least squares with exponential forgetting (the newest
+    step weighs 1, one ``1 / (1 - forget)`` steps back 1/e), so the figure follows the engine
+    as it warms up or its load changes.
+
+    ``seconds_per_draft_token`` is 0 (unknown: the acceptance rule decides) until the fit has
+    seen ``min_steps`` clean steps and its estimate is sure to ``max_rel_error`` (standard error
+    over the estimate): the steps' draft counts must vary apart from their batch sizes for the
+    term to be told from the others. It then keeps the last sure estimate while the data stops
+    telling (a batch that drafts nothing gives no new evidence). An estimate at or below zero
+    (drafts free as far as the clock can tell) reads as 0 too. A step far off the fit (a
+    garbage collection, the OS taking the core) enters clipped to 4 residual deviations, so one
+    stall cannot move the figure."""
+
+    def __init__(self, forget: float = 0.995, min_steps: int = 64, max_rel_error: float = 0.25, refit_every: int = 16):
+        if not 0 < forget < 1:
+            raise ValueError(f"forget: must be in (0, 1), got {forget!r}")
+        self.forget, self.min_steps, self.max_rel_error, self.refit_every = forget, min_steps, max_rel_error, refit_every
+        self.steps = 0
+        """Clean steps observed."""
+        self._xx = np.zeros((3, 3))
+        self._xy = np.zeros(3)
+        self._yy = 0.0
+        self._w = 0.0  # the weights' sum (effective sample size)
+        self._coef: np.ndarray | None = None  # the last fit (base, per row, per draft token)
+        self._sigma = 0.0  # its residual standard deviation
+        self.seconds_per_draft_token = 0.0
+        """The last sure estimate; 0: none yet."""
+
+    def observe(self, rows: int, drafts: int, seconds: float) -> None:
+        if rows <= 0 or not (math.isfinite(seconds) and seconds > 0):
+            return
+        x = np.array([1.0, float(rows), float(drafts)])
+        if self._coef is not None and self._sigma > 0:  # clip a stall to 4 residual deviations
+            fit = float(x @ self._coef)
+            seconds = min(max(seconds, fit - 4 * self._sigma), fit + 4 * self._sigma)
+        f = self.forget
+        self._xx = f * self._xx + np.outer(x, x)
+        self._xy = f * self._xy + seconds * x
+        self._yy = f * self._yy + seconds * seconds
+        self._w = f * self._w + 1.0
+        self.steps += 1
+        if self.steps >= self.min_steps and self.steps % self.refit_every == 0:
+            self._refit()
+
+    def _refit(self) -> None:
+        xx = self._xx.copy()
+        # a batch of one size throughout (an engine kept full) makes the rows' term the base's
+        # twin; a whisper of ridge on it keeps the system solvable and leaves the draft term be
+        xx[1, 1] += 1e-9 * xx[1, 1] + 1e-12
+        try:
+            inv = np.linalg.inv(xx)
+        except np.linalg.LinAlgError:  # drafts never varied apart from the rest: nothing to tell
+            return
+        coef = inv @ self._xy
+        rss = max(0.0, self._yy - 2 * float(coef @ self._xy) + float(coef @ self._xx @ coef))
+        if not np.all(np.isfinite(coef)) or self._w <= 3:
+            return
+        var = rss / (self._w - 3)
+        self._coef, self._sigma = coef, math.sqrt(var)
+        c, se = float(coef[2]), math.sqrt(max(0.0, var * float(inv[2, 2])))
+        if c > 0 and se <= self.max_rel_error * c:
+            self.seconds_per_draft_token = c
+        elif c + 2 * se <= 0:  # sure that a draft token costs nothing the clock can see
+            self.seconds_per_draft_token = 0.0
 
 
 @dataclass

@@ -51,13 +51,20 @@ class EngineSettings:
     request's draft length follows the paying rule (``draft_index.DraftLength``): the j-th
     token only while its acceptance chance exceeds this cost times the batch's measured tokens/s,
     so drafting goes deep where a pass is memory-bound and stops where it costs more than it
-    saves. 0 (the default): the acceptance rule alone (``min_accept_prob``), as before. No
-    built-in default: the cost is the model's and the machine's (the bench's 525k-parameter
-    model on 2 vCPUs measured 6.2e-5 s; a real model costs orders of magnitude more on a CPU
-    and far less per parameter on a GPU), and a wrong number turns drafting off where it pays or
-    on where it does not. Exact whatever the value (docs/EXACTNESS.md)."""
+    saves. 0 (the default): measured by the engine itself (``measure_draft_cost``), else the
+    acceptance rule alone (``min_accept_prob``). No built-in figure: the cost is the model's and
+    the machine's (the bench's 525k-parameter model on 2 vCPUs measured 6.2e-5 s; a real model
+    costs orders of magnitude more on a CPU and far less per parameter on a GPU), and a wrong
+    number turns drafting off where it pays or on where it does not. Exact whatever the value (docs/EXACTNESS.md)."""
+    measure_draft_cost: bool = True
+    """With ``draft_token_seconds`` unset (0): the proposer measures what a draft token adds to
+    this engine's steps as it runs (``draft_index.DraftCostFit``: a least-squares fit of the
+    clean steps' wall time on their rows and draft tokens) and, once the figure is sure, uses
+    the paying rule with it, so drafting turns itself off where it costs more than it saves
+    without a calibration run. Until then, and with this off, the acceptance rule alone.
+    ``VllmEngine.draft_cost`` reports the figure. Exact either way (docs/EXACTNESS.md)."""
     draft_for_makespan: bool = True
-    """With ``draft_token_seconds`` set: requests that a stored or sibling draft continues get
+    """With a draft token's cost set or measured: requests that a stored or sibling draft continues get
     the lengths that end the batch's *last* request soonest (``tail_drafts``: deep drafts for
     the long ones, none for those that end early anyway) instead of the lengths that maximise
     the batch's tokens/s. Off: the paying rule for every request. Exact either way."""
@@ -306,6 +313,7 @@ class VllmEngine:
                                               "cpu_sampler_fix": s.cpu_sampler_fix,
                                               "self_suffix": s.self_suffix_drafting,
                                               "draft_token_seconds": s.draft_token_seconds,
+                                              "measure_draft_cost": s.measure_draft_cost,
                                               "makespan": s.draft_for_makespan},
                                # engine processes die with this one; their core binding is theirs alone
                                "bubblespec_lifeline": Lifeline(environ=_child_environ(s), cpus=cpus)},
@@ -397,6 +405,15 @@ class VllmEngine:
         proposes the same); ``KeyedCalls`` batches the callers."""
         assert self._llm is not None, "engine not started"
         return (await self._llm.collective_rpc("bubblespec_pop_stats", args=(keys,)))[0]
+
+    async def draft_cost(self) -> dict:
+        """What the proposer's paying rule works with now (``BubbleSpecProposer.draft_cost``):
+        ``draft_token_seconds`` (0: unknown), its ``source`` (``set``, ``measured``, ``none``) and
+        the clean steps measured; empty without a proposer."""
+        assert self._llm is not None, "engine not started"
+        if not self.info.speculation:
+            return {}
+        return (await self._llm.collective_rpc("bubblespec_draft_cost"))[0]
 
     async def abort(self, key: str) -> Provenance | None:
         """Stop the request; return the proposer's count of its passes and drafts so far (None

@@ -19,11 +19,12 @@ before the runner exists as an attribute, so the worker calls ``collective_rpc
 Where no candidate continues a request, it can draft from its own prompt + output (source
 ``suffix``, ``draft_index.SuffixRule``; engine setting ``self_suffix_drafting``, off by default).
 
-Draft length: ``draft_index.DraftLength``. With the engine setting ``draft_token_seconds``
-(what one draft token adds to a pass), each step measures the batch's tokens/s
-(``draft_index.StepRate``: tokens the step produced over the wall time since the previous
-step, smoothed) and the paying rule picks each request's length from the two; until a rate is
-measured, and with the setting unset, the acceptance rule decides. With the setting and
+Draft length: ``draft_index.DraftLength``. With what one draft token adds to a pass (the
+engine setting ``draft_token_seconds``, or, unset, the figure the proposer measures from the
+engine's own steps: ``draft_index.DraftCostFit``, engine setting ``measure_draft_cost``), each
+step measures the batch's tokens/s (``draft_index.StepRate``: tokens the step produced over the
+wall time since the previous step, smoothed) and the paying rule picks each request's length
+from the two; until both are known, the acceptance rule decides. With the setting and
 ``draft_for_makespan`` on, the rows a candidate continues get ``tail_drafts``' lengths instead
 (those that end the batch's last request soonest), except a draft job's: a job has no place
 in the batch's end, and its candidate is its own partial draft from a run that was stopped
@@ -40,11 +41,12 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from bubblespec.worker.draft_index import Candidate, DraftLength, RequestDrafter, StepRate, SuffixRule
+from bubblespec.worker.draft_index import Candidate, DraftCostFit, DraftLength, RequestDrafter, StepRate, SuffixRule
 from bubblespec.worker.tail_drafts import makespan_draft_tokens
 
 __all__ = ["BubbleSpecProposer", "BubbleSpecWorkerExtension", "check_expand_batch_to_tokens", "install_cpu_sampler_fix"]
@@ -118,9 +120,12 @@ class BubbleSpecProposer:
         self._proposed = 0  # draft tokens proposed at the previous step (verified in this one)
         self.clock = time.perf_counter
         self._rows: set[str] = set()  # request ids of the previous step's batch
+        self.cost_fit: DraftCostFit | None = None  # measures the draft token's cost where no setting gives it
         if self.rule.draft_token_seconds > 0:
             logger.info("draft length by cost: %.3g s per draft token against the batch's measured tokens/s",
                         self.rule.draft_token_seconds)
+        elif extra.get("measure_draft_cost", False):
+            self.cost_fit = DraftCostFit()
         self.runner: Any = None
         self.vocab_size = vllm_config.model_config.get_vocab_size()
         self.errors = 0
@@ -201,16 +206,41 @@ class BubbleSpecProposer:
         return {i: int(x) for (i, _, n, _), x in zip(plan, k) if n > 0}
 
     def _measure(self, rows: dict[str, int], sampled_token_ids) -> float:
-        """Fold this step into the batch's tokens/s and return the rate (0: none yet). Only with
-        the paying rule on: otherwise nothing reads it."""
-        if self.rule.draft_token_seconds <= 0:
+        """Fold this step into the batch's tokens/s (and, measuring, into the draft token's
+        cost) and return the rate: 0 while the paying rule cannot act (no cost known, no rate
+        yet). Nothing is measured where neither a cost is set nor one is being measured."""
+        if self.rule.draft_token_seconds <= 0 and self.cost_fit is None:
             return 0.0
+        now, before = self.clock(), self.rate.last
         continued = not self._rows.isdisjoint(rows)
+        # a clean step for the cost fit: no request joined (no prefill in it) and every row sampled
+        clean = continued and self._rows.issuperset(rows) and all(len(s) for s in sampled_token_ids)
         self._rows = set(rows)
-        self.rate.observe(sum(len(s) for s in sampled_token_ids), self.clock(), continued)
+        self.rate.observe(sum(len(s) for s in sampled_token_ids), now, continued)
         if continued:  # the step just measured verified what was proposed at the one before
             self.drafted += self.rate.ema * (self._proposed - self.drafted)
-        return self.rate.tokens_per_second()
+        if self.cost_fit is not None and clean and before is not None and now > before:
+            self.cost_fit.observe(len(rows), self._proposed, now - before)
+            if self.cost_fit.seconds_per_draft_token != self.rule.draft_token_seconds:
+                self._set_draft_token_seconds(self.cost_fit.seconds_per_draft_token)
+        return self.rate.tokens_per_second() if self.rule.draft_token_seconds > 0 else 0.0
+
+    def _set_draft_token_seconds(self, seconds: float) -> None:
+        """The measured cost, for this rule and every live request's (they share it)."""
+        if seconds > 0 and (self.rule.draft_token_seconds <= 0 or abs(seconds / self.rule.draft_token_seconds - 1) > 0.25):
+            logger.info("draft length by cost: measured %.3g s per draft token over %d steps",
+                        seconds, self.cost_fit.steps if self.cost_fit else 0)
+        self.rule = replace(self.rule, draft_token_seconds=seconds)
+        for d in self.drafters.values():
+            d.rule = self.rule
+
+    def draft_cost(self) -> dict:
+        """What the paying rule works with now: the draft token's cost in seconds (0: unknown,
+        the acceptance rule decides), whether it was ``measured`` or ``set``, and the clean
+        steps the measurement has seen."""
+        return {"draft_token_seconds": self.rule.draft_token_seconds,
+                "source": "measured" if self.cost_fit is not None else ("set" if self.rule.draft_token_seconds > 0 else "none"),
+                "steps": self.cost_fit.steps if self.cost_fit is not None else 0}
 
     def _drafter(self, req_id: str) -> RequestDrafter | None:
         drafter = self.drafters.get(req_id)
@@ -273,6 +303,10 @@ class BubbleSpecWorkerExtension:
         report["fix_wanted"] = (device.type == "cpu" and isinstance(getattr(runner, "drafter", None), BubbleSpecProposer)
                                 and bool(extra.get("cpu_sampler_fix", True)))
         return report
+
+    def bubblespec_draft_cost(self) -> dict:
+        drafter = getattr(self.model_runner, "drafter", None)  # type: ignore[attr-defined]
+        return drafter.draft_cost() if isinstance(drafter, BubbleSpecProposer) else {}
 
     def bubblespec_pop_stats(self, keys: list[str]) -> dict[str, dict]:
         drafter = getattr(self.model_runner, "drafter", None)  # type: ignore[attr-defined]

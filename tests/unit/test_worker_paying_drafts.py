@@ -105,8 +105,9 @@ class FakeEngine:
     """``n`` requests with distinct prompts, each with a perfect ``future`` draft; every step
     accepts the whole draft and takes ``pass_seconds + draft_token_seconds x drafted``."""
 
-    def __init__(self, n: int, k: int, pass_seconds: float, draft_token_seconds: float | None, cost: float = 0.0):
-        extra = {"cpu_sampler_fix": False}
+    def __init__(self, n: int, k: int, pass_seconds: float, draft_token_seconds: float | None, cost: float = 0.0,
+                 measure: bool = False, answer_len: int = 600):
+        extra: dict = {"cpu_sampler_fix": False, "measure_draft_cost": measure}
         if draft_token_seconds is not None:
             extra["draft_token_seconds"] = draft_token_seconds
         config = SimpleNamespace(additional_config={"bubblespec": extra},
@@ -117,7 +118,7 @@ class FakeEngine:
         self.now = 0.0
         self.proposer.clock = lambda: self.now
         self.prompts = [(5 + i, 6 + i, 7 + i) for i in range(n)]
-        self.answers = [np.arange(100 + i, 700 + i, dtype=np.int64) for i in range(n)]
+        self.answers = [100 + i + np.arange(answer_len, dtype=np.int64) % 600 for i in range(n)]
         requests = {f"r{i}": SimpleNamespace(prompt_token_ids=list(p), sampling_params=SimpleNamespace(extra_args={
             "bubblespec": {"key": f"k{i}", "drafts": [["future", a.astype("<u4").tobytes()]]}}))
             for i, (p, a) in enumerate(zip(self.prompts, self.answers))}

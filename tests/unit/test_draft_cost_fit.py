@@ -1,0 +1,108 @@
+"""The draft token's cost measured by the engine itself (``DraftCostFit``): the proposer fits
+each clean step's wall time on its rows and draft tokens and, once the figure is sure, drafts
+by the paying rule with it, as if ``bubblespec calibrate``'s figure had been set. The fit runs
+on synthetic steps; the proposer on the fake runner and clock of ``test_worker_paying_drafts``
+(no vLLM); a real engine's measurement is in ``tests/integration/test_draft_cost_engine.py``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_worker_paying_drafts import FakeEngine
+
+from bubblespec.cli.commands import _engine_settings
+from bubblespec.cli.main import build_parser
+from bubblespec.worker.draft_index import DraftCostFit
+
+
+def _steps(fit: DraftCostFit, rng, n: int, per_draft: float, noise: float = 0.05, rows=(1, 48), stalls: float = 0.0):
+    """``n`` steps of a batch of ``rows`` requests, each drafting up to 256 // rows tokens, at
+    2 ms + 67 us a row + ``per_draft`` a draft token, ``noise`` relative jitter, and a share
+    ``stalls`` of steps taking 10x as long (a garbage collection, the OS taking the core)."""
+    for _ in range(n):
+        r = int(rng.integers(rows[0], rows[1] + 1))
+        d = int(rng.integers(0, 256 // r + 1)) * int(rng.integers(0, r + 1))
+        y = (2e-3 + 67e-6 * r + per_draft * d) * (1 + noise * rng.standard_normal())
+        fit.observe(r, d, y * (10 if rng.random() < stalls else 1))
+
+
+@pytest.mark.parametrize("per_draft", [30e-6, 36e-6, 5e-6])
+def test_the_fit_finds_the_draft_tokens_cost_through_noise_and_stalls(per_draft: float) -> None:
+    fit = DraftCostFit()
+    _steps(fit, np.random.default_rng(0), 2000, per_draft, stalls=0.01)
+    assert fit.seconds_per_draft_token == pytest.approx(per_draft, rel=0.05)
+
+
+def test_nothing_is_claimed_before_enough_steps_or_without_evidence() -> None:
+    rng = np.random.default_rng(1)
+    fit = DraftCostFit(min_steps=64)
+    _steps(fit, rng, 63, 30e-6)
+    assert fit.steps == 63 and fit.seconds_per_draft_token == 0.0  # too few steps yet
+    never = DraftCostFit()
+    for _ in range(500):  # a batch that never drafts: no way to tell what a draft token costs
+        never.observe(8, 0, 3e-3 * (1 + 0.05 * rng.standard_normal()))
+    assert never.seconds_per_draft_token == 0.0
+    free = DraftCostFit()
+    _steps(free, rng, 1000, 0.0, noise=0.01)  # drafts that cost nothing the clock can see
+    assert free.seconds_per_draft_token == 0.0
+
+
+def test_one_batch_size_throughout_still_tells_the_draft_tokens_cost() -> None:
+    rng = np.random.default_rng(2)
+    fit = DraftCostFit()
+    for _ in range(400):  # an engine kept full: the rows' term and the base cannot be told apart
+        d = int(rng.integers(0, 200))
+        fit.observe(32, d, (3e-3 + 40e-6 * d) * (1 + 0.03 * rng.standard_normal()))
+    assert fit.seconds_per_draft_token == pytest.approx(40e-6, rel=0.05)
+
+
+def test_the_figure_follows_the_engine_when_its_cost_changes() -> None:
+    rng = np.random.default_rng(3)
+    fit = DraftCostFit()
+    _steps(fit, rng, 1000, 30e-6)
+    assert fit.seconds_per_draft_token == pytest.approx(30e-6, rel=0.05)
+    _steps(fit, rng, 2000, 90e-6)  # another tenant on the host, a slower kernel
+    assert fit.seconds_per_draft_token == pytest.approx(90e-6, rel=0.05)
+
+
+@pytest.mark.parametrize(("field", "kwargs"), [("forget", {"forget": 1.0}), ("forget", {"forget": 0.0})])
+def test_a_bad_setting_is_refused_naming_it(field: str, kwargs: dict) -> None:
+    with pytest.raises(ValueError, match=field):
+        DraftCostFit(**kwargs)
+
+
+# --- the proposer --------------------------------------------------------------------------------
+
+
+def test_a_compute_bound_engine_learns_its_cost_and_stops_drafting() -> None:
+    # 32 requests, 20 ms a pass, a draft token 1 ms: no draft can pay (bar 1e-3 x 32 / 0.02 > 1)
+    measured = FakeEngine(32, 8, 0.02, None, cost=1e-3, measure=True, answer_len=2000)
+    unmeasured = FakeEngine(32, 8, 0.02, None, cost=1e-3, answer_len=2000)
+    drafts = [sum(measured.step()) for _ in range(120)]
+    assert drafts[0] > 0 and all(sum(unmeasured.step()) > 0 for _ in range(120))  # by acceptance at first
+    assert measured.proposer.rule.draft_token_seconds == pytest.approx(1e-3, rel=0.01)
+    assert measured.proposer.draft_cost() == {"draft_token_seconds": measured.proposer.rule.draft_token_seconds,
+                                              "source": "measured", "steps": measured.proposer.cost_fit.steps}
+    assert drafts[-10:] == [0] * 10  # then, like an engine given the figure, nothing
+    assert all(d.rule is measured.proposer.rule for d in measured.proposer.drafters.values())
+
+
+def test_a_memory_bound_engine_learns_its_cost_and_drafts_as_if_it_had_been_given_it() -> None:
+    # one request, 5 ms a pass, a draft token 62 us: deep drafts, as with the figure set by hand
+    measured = FakeEngine(1, 32, 0.005, None, cost=6.24e-5, measure=True, answer_len=4000)
+    given = FakeEngine(1, 32, 0.005, 6.24e-5, cost=6.24e-5, answer_len=4000)
+    lengths = [(measured.step()[0], given.step()[0]) for _ in range(100)]
+    assert measured.proposer.rule.draft_token_seconds == pytest.approx(6.24e-5, rel=0.01)
+    assert lengths[-20:] == [(32, 32)] * 20
+
+
+def test_a_set_cost_is_not_measured_and_measuring_is_the_workers_default() -> None:
+    given = FakeEngine(4, 8, 0.01, 6.24e-5, cost=1e-3, measure=True, answer_len=2000)
+    for _ in range(100):
+        given.step()
+    assert given.proposer.cost_fit is None and given.proposer.rule.draft_token_seconds == 6.24e-5
+    assert given.proposer.draft_cost()["source"] == "set"
+    for command in ("worker", "up", "demo"):
+        assert _engine_settings(build_parser().parse_args([command])).measure_draft_cost, command
+    off = _engine_settings(build_parser().parse_args(["worker", "--no-measure-draft-cost"]))
+    assert not off.measure_draft_cost
