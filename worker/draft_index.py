@@ -153,45 +153,62 @@ class StepRate:
 
 
 class DraftCostFit:
-    """What one draft token adds to an engine step, measured from the engine's own steps.
+    """What one draft token adds to an engine pass, measured from the engine's own passes.
 
     The paying rule (``DraftLength``) needs ``draft_token_seconds``, which depends on the model,
     the hardware and the kernels. Rather than have every deployment run ``bubblespec calibrate``
-    and pass the figure by hand, the proposer fits it as the engine runs: each clean step (no
-    request joined, so no prefill in it; every row sampled) gives its wall time ``y``, its
-    rows ``n`` and the draft tokens it verified ``d``, and ``y = base + per_row x n +
-    per_draft_token x d`` is fitted by least squares with exponential forgetting (the newest
-    step weighs 1, one ``1 / (1 - forget)`` steps back 1/e), so the figure follows the engine
-    as it warms up or its load changes.
+    and pass the figure by hand, the proposer fits it as the engine runs. Each clean pass (no
+    request joined, so no prefill in it; every row sampled) gives its seconds ``y`` (timed from
+    the runner's ``execute_model``: the engine's work between passes is left out), its rows
+    ``n`` and the draft tokens it verified ``d``, and
+
+        y = base + per_row x n + spec x [d > 0] + per_draft_token x d
+
+    is fitted by least squares with exponential forgetting (the newest pass weighs 1, one
+    ``1 / (1 - forget)`` passes back 1/e), so the figure follows the engine as it warms up or
+    its load changes. ``spec`` is what a pass pays for verifying any draft at all (the
+    rejection sampler's set-up, the drafts' metadata): measured apart, it is not charged to the
+    tokens (on vLLM's CPU engine here it was worth tens of draft tokens, so a linear fit without
+    it read 3-40x the marginal cost and turned drafting off where it paid).
 
     ``seconds_per_draft_token`` is 0 (unknown: the acceptance rule decides) until the fit has
-    seen ``min_steps`` clean steps and its estimate is sure to ``max_rel_error`` (standard error
-    over the estimate): the steps' draft counts must vary apart from their batch sizes for the
-    term to be told from the others. It then keeps the last sure estimate while the data stops
-    telling (a batch that drafts nothing gives no new evidence). An estimate at or below zero
-    (drafts free as far as the clock can tell) reads as 0 too. A step far off the fit (a
-    garbage collection, the OS taking the core) enters clipped to 4 residual deviations, so one
-    stall cannot move the figure."""
+    seen ``min_steps`` clean passes, ``min_drafted`` of them with drafts (weighed as the fit
+    weighs them), and its estimate is sure to ``max_rel_error`` (standard error over the
+    estimate). It then keeps the last sure estimate while the data stops telling, for at most
+    ``expire_steps`` passes without a draft: a figure too high turns drafting off, which would
+    otherwise leave it nothing to learn from, so it expires and the acceptance rule drafts (and
+    measures) again. An estimate at or below zero (drafts free as far as the clock can tell)
+    reads as 0 too. A pass far off the fit (a garbage collection, the OS taking the core)
+    enters clipped to 4 residual deviations, so one stall cannot move the figure."""
 
-    def __init__(self, forget: float = 0.995, min_steps: int = 64, max_rel_error: float = 0.25, refit_every: int = 16):
+    def __init__(self, forget: float = 0.995, min_steps: int = 64, min_drafted: float = 16.0,
+                 max_rel_error: float = 0.25, refit_every: int = 16, expire_steps: int = 2048):
         if not 0 < forget < 1:
             raise ValueError(f"forget: must be in (0, 1), got {forget!r}")
-        self.forget, self.min_steps, self.max_rel_error, self.refit_every = forget, min_steps, max_rel_error, refit_every
+        self.forget, self.min_steps, self.min_drafted = forget, min_steps, min_drafted
+        self.max_rel_error, self.refit_every, self.expire_steps = max_rel_error, refit_every, expire_steps
         self.steps = 0
-        """Clean steps observed."""
-        self._xx = np.zeros((3, 3))
-        self._xy = np.zeros(3)
+        """Clean passes observed."""
+        self._xx = np.zeros((4, 4))
+        self._xy = np.zeros(4)
         self._yy = 0.0
         self._w = 0.0  # the weights' sum (effective sample size)
-        self._coef: np.ndarray | None = None  # the last fit (base, per row, per draft token)
+        self._drafted = 0.0  # the weights' sum over passes with drafts
+        self._since_drafted = 0  # clean passes since the last one with drafts
+        self._coef: np.ndarray | None = None  # the last fit (base, per row, spec, per draft token)
         self._sigma = 0.0  # its residual standard deviation
         self.seconds_per_draft_token = 0.0
-        """The last sure estimate; 0: none yet."""
+        """The last sure estimate; 0: none."""
+
+    @property
+    def spec_seconds(self) -> float:
+        """The last fit's fixed cost of a pass with drafts (0: no fit yet)."""
+        return float(self._coef[2]) if self._coef is not None else 0.0
 
     def observe(self, rows: int, drafts: int, seconds: float) -> None:
         if rows <= 0 or not (math.isfinite(seconds) and seconds > 0):
             return
-        x = np.array([1.0, float(rows), float(drafts)])
+        x = np.array([1.0, float(rows), float(drafts > 0), float(drafts)])
         if self._coef is not None and self._sigma > 0:  # clip a stall to 4 residual deviations
             fit = float(x @ self._coef)
             seconds = min(max(seconds, fit - 4 * self._sigma), fit + 4 * self._sigma)
@@ -200,26 +217,32 @@ class DraftCostFit:
         self._xy = f * self._xy + seconds * x
         self._yy = f * self._yy + seconds * seconds
         self._w = f * self._w + 1.0
+        self._drafted = f * self._drafted + float(drafts > 0)
+        self._since_drafted = 0 if drafts > 0 else self._since_drafted + 1
         self.steps += 1
-        if self.steps >= self.min_steps and self.steps % self.refit_every == 0:
+        if self._since_drafted >= self.expire_steps:
+            self.seconds_per_draft_token = 0.0
+        elif self.steps >= self.min_steps and self.steps % self.refit_every == 0 and self._drafted >= self.min_drafted:
             self._refit()
 
     def _refit(self) -> None:
         xx = self._xx.copy()
         # a batch of one size throughout (an engine kept full) makes the rows' term the base's
-        # twin; a whisper of ridge on it keeps the system solvable and leaves the draft term be
-        xx[1, 1] += 1e-9 * xx[1, 1] + 1e-12
+        # twin, and drafts of one length the spec term's: a whisper of ridge on those two keeps
+        # the system solvable and leaves the draft token's term to the evidence
+        for i in (1, 2):
+            xx[i, i] += 1e-9 * xx[i, i] + 1e-12
         try:
             inv = np.linalg.inv(xx)
-        except np.linalg.LinAlgError:  # drafts never varied apart from the rest: nothing to tell
+        except np.linalg.LinAlgError:
             return
         coef = inv @ self._xy
-        rss = max(0.0, self._yy - 2 * float(coef @ self._xy) + float(coef @ self._xx @ coef))
-        if not np.all(np.isfinite(coef)) or self._w <= 3:
+        if not np.all(np.isfinite(coef)) or self._w <= 4:
             return
-        var = rss / (self._w - 3)
+        rss = max(0.0, self._yy - 2 * float(coef @ self._xy) + float(coef @ self._xx @ coef))
+        var = rss / (self._w - 4)
         self._coef, self._sigma = coef, math.sqrt(var)
-        c, se = float(coef[2]), math.sqrt(max(0.0, var * float(inv[2, 2])))
+        c, se = float(coef[3]), math.sqrt(max(0.0, var * float(inv[3, 3])))
         if c > 0 and se <= self.max_rel_error * c:
             self.seconds_per_draft_token = c
         elif c + 2 * se <= 0:  # sure that a draft token costs nothing the clock can see

@@ -121,6 +121,7 @@ class BubbleSpecProposer:
         self.clock = time.perf_counter
         self._rows: set[str] = set()  # request ids of the previous step's batch
         self.cost_fit: DraftCostFit | None = None  # measures the draft token's cost where no setting gives it
+        self._pass_started: float | None = None  # clock at the entry of the runner's execute_model (attach)
         if self.rule.draft_token_seconds > 0:
             logger.info("draft length by cost: %.3g s per draft token against the batch's measured tokens/s",
                         self.rule.draft_token_seconds)
@@ -133,6 +134,24 @@ class BubbleSpecProposer:
         self.finished: dict[str, dict] = {}  # stats by BubbleSpec key, until popped
         if vllm_config.device_config.device.type == "cpu" and extra.get("cpu_sampler_fix", True):
             install_cpu_sampler_fix()
+
+    def attach(self, runner: Any) -> None:
+        """Take the model runner (to map batch rows to requests) and time its passes: the cost
+        fit reads the seconds from ``execute_model``'s entry to this step's ``propose`` (the
+        forward pass, sampling and verification), leaving out what the engine does between
+        steps (scheduling, output handling, utility calls such as ``bubblespec_pop_stats``).
+        Those come in bursts just as drafted requests finish, and would be charged to drafts."""
+        self.runner = runner
+        execute = runner.execute_model
+        if getattr(execute, "bubblespec_timed", False):  # attached before (the start-up self-check)
+            return
+
+        def timed_execute_model(*args: Any, **kwargs: Any):
+            self._pass_started = self.clock()
+            return execute(*args, **kwargs)
+
+        timed_execute_model.bubblespec_timed = True  # type: ignore[attr-defined]
+        runner.execute_model = timed_execute_model
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """Nothing to load: drafts come from the requests."""
@@ -211,7 +230,7 @@ class BubbleSpecProposer:
         yet). Nothing is measured where neither a cost is set nor one is being measured."""
         if self.rule.draft_token_seconds <= 0 and self.cost_fit is None:
             return 0.0
-        now, before = self.clock(), self.rate.last
+        now = self.clock()
         continued = not self._rows.isdisjoint(rows)
         # a clean step for the cost fit: no request joined (no prefill in it) and every row sampled
         clean = continued and self._rows.issuperset(rows) and all(len(s) for s in sampled_token_ids)
@@ -219,8 +238,9 @@ class BubbleSpecProposer:
         self.rate.observe(sum(len(s) for s in sampled_token_ids), now, continued)
         if continued:  # the step just measured verified what was proposed at the one before
             self.drafted += self.rate.ema * (self._proposed - self.drafted)
-        if self.cost_fit is not None and clean and before is not None and now > before:
-            self.cost_fit.observe(len(rows), self._proposed, now - before)
+        started, self._pass_started = self._pass_started, None
+        if self.cost_fit is not None and clean and started is not None and now > started:
+            self.cost_fit.observe(len(rows), self._proposed, now - started)
             if self.cost_fit.seconds_per_draft_token != self.rule.draft_token_seconds:
                 self._set_draft_token_seconds(self.cost_fit.seconds_per_draft_token)
         return self.rate.tokens_per_second() if self.rule.draft_token_seconds > 0 else 0.0
@@ -289,7 +309,7 @@ class BubbleSpecWorkerExtension:
     def bubblespec_attach(self) -> bool:
         drafter = getattr(self.model_runner, "drafter", None)  # type: ignore[attr-defined]
         if isinstance(drafter, BubbleSpecProposer):
-            drafter.runner = self.model_runner  # type: ignore[attr-defined]
+            drafter.attach(self.model_runner)  # type: ignore[attr-defined]
             return True
         return False
 

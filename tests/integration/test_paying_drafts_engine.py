@@ -49,3 +49,29 @@ async def test_a_draft_token_that_never_pays_turns_drafting_off(reference_engine
         assert [o.provenance.forward_passes for o in outs] == [len(e) for e in expected]  # one token per pass
     finally:
         await engine.shutdown()
+
+
+async def test_an_engine_measures_its_draft_tokens_cost_and_stays_exact(reference_engine, cluster):
+    """A worker's engine at the defaults (no cost given: ``measure_draft_cost``) fits what a
+    draft token adds to its steps from its own clean steps, and says so (``draft_cost``); the
+    outputs stay token-identical to an engine without speculation throughout."""
+    engine = cluster.engines[1]
+    prompts = token_prompts(24, seed=37)
+    sp = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
+    expected = [o.token_ids for o in await run_engine(reference_engine, prompts, sp, tag="ref")]
+    # drafts of a quarter of the requests cover nothing, the others a third, two thirds, all of
+    # the response: the steps' draft tokens vary apart from their batch sizes
+    drafts = [[("future", e[: len(e) * (i % 4) // 3])] for i, e in enumerate(expected)]
+    cost: dict = {}
+    for attempt in range(8):
+        outs = await run_engine(engine, prompts, sp, drafts, tag=f"cost{attempt}")
+        assert [o.token_ids for o in outs] == expected, f"attempt {attempt}: a measured cost changed an output"
+        check_provenance(outs, drafts_on=True, arm=f"cost{attempt}")
+        cost = await engine.draft_cost()
+        if cost["draft_token_seconds"] > 0:
+            break
+    print(f"measured draft token cost: {cost}")
+    assert cost["source"] == "measured" and cost["steps"] >= 64, cost
+    # the bench's 525k-parameter model costs 3e-5 s a draft token here (bench/sim/costs.py, cpu-tiny);
+    # this one is of its size: a figure off by orders of magnitude is a broken fit, not a slow machine
+    assert 1e-6 < cost["draft_token_seconds"] < 1e-3, cost

@@ -106,7 +106,7 @@ class FakeEngine:
     accepts the whole draft and takes ``pass_seconds + draft_token_seconds x drafted``."""
 
     def __init__(self, n: int, k: int, pass_seconds: float, draft_token_seconds: float | None, cost: float = 0.0,
-                 measure: bool = False, answer_len: int = 600):
+                 measure: bool = False, answer_len: int = 600, between_per_draft: float = 0.0):
         extra: dict = {"cpu_sampler_fix": False, "measure_draft_cost": measure}
         if draft_token_seconds is not None:
             extra["draft_token_seconds"] = draft_token_seconds
@@ -122,14 +122,17 @@ class FakeEngine:
         requests = {f"r{i}": SimpleNamespace(prompt_token_ids=list(p), sampling_params=SimpleNamespace(extra_args={
             "bubblespec": {"key": f"k{i}", "drafts": [["future", a.astype("<u4").tobytes()]]}}))
             for i, (p, a) in enumerate(zip(self.prompts, self.answers))}
-        self.proposer.runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=list(requests)), requests=requests)
-        self.pass_seconds, self.cost = pass_seconds, cost
+        self.proposer.attach(SimpleNamespace(input_batch=SimpleNamespace(req_ids=list(requests)), requests=requests,
+                                             execute_model=lambda: None))
+        self.pass_seconds, self.cost, self.between_per_draft = pass_seconds, cost, between_per_draft
         self.generated = [0] * n
         self.drafts: list[list[int]] = [[] for _ in range(n)]
 
     def step(self) -> list[int]:
         """Run one engine step; return each request's draft length for the next."""
         drafted = sum(map(len, self.drafts))
+        self.now += 1e-4 + self.between_per_draft * drafted  # the engine between passes: scheduling, output handling
+        self.proposer.runner.execute_model()  # the pass starts (the proposer times it)
         self.now += self.pass_seconds + self.cost * drafted
         sampled = []
         for i, d in enumerate(self.drafts):
