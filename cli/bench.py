@@ -267,7 +267,20 @@ async def run_bench(cluster, prompts: list[list], base_model: str, cfg: BenchCon
     exact = {arm.name: all(outputs[run, arm.name] == outputs[0, "baseline"] for run in range(cfg.runs)) for arm in ARMS}
     per_run = [summarize([r for r in rows if r["run"] == run + 1], exact) for run in range(cfg.runs)]
     return {"config": cfg.__dict__, "workers": len(cluster.agents), "seconds": time.monotonic() - started,
-            "steps": rows, "runs": per_run, "summary": combine_runs(per_run)}
+            "steps": rows, "runs": per_run, "summary": combine_runs(per_run),
+            "draft_cost": [await e.draft_cost() for e in cluster.engines if hasattr(e, "draft_cost")]}
+
+
+def draft_cost_line(costs: list[dict]) -> str:
+    """What each engine's paying rule worked with at the end (``VllmEngine.draft_cost``)."""
+    def one(c: dict) -> str:
+        if not c.get("draft_token_seconds"):
+            return f"none yet ({c.get('source', 'no proposer')}: by acceptance)"
+        over = f" over {c['steps']} passes" if c["source"] == "measured" else ""
+        return f"{c['draft_token_seconds']:.2g} s {c['source']}{over}"
+
+    told = [one(c) for c in costs]
+    return "A draft token's cost, per engine: " + "; ".join(told) if told else ""
 
 
 def combine_runs(per_run: list[list[dict]]) -> list[dict]:
@@ -339,6 +352,8 @@ def _tell_results(say, report: dict, cfg: BenchConfig) -> None:
     say(f"{report['workers']} workers, {cfg.steps} steps x {cfg.prompts} prompts x {cfg.samples} samples, "
         f"{cfg.train_seconds:g}s trainer gap, lookahead {cfg.lookahead_steps} steps, weight updates "
         f"{cfg.update_scale:g} RMS; the arms took {report['seconds']:.0f}s")
+    if report.get("draft_cost"):
+        say(draft_cost_line(report["draft_cost"]))
     say()
     say(NUMBERS_EXPLAINED)
     say(verdict(report["summary"]))

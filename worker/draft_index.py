@@ -397,6 +397,16 @@ class RequestDrafter:
         return self.accepts[self.candidates[self._cursor[0]].source if self._cursor is not None else "future"]
 
     @property
+    def last_accept(self) -> float:
+        """Acceptance average of the source of the last proposal (0: none pending)."""
+        return self.accepts[self._last[0]] if self._last is not None else 0.0
+
+    def withdraw(self) -> None:
+        """The last proposal was not sent to the engine (the batch's drafts did not pay for the
+        pass): nothing to account for at the next step."""
+        self._last = None
+
+    @property
     def suffix_accept(self) -> float:
         """Acceptance average of self-suffix drafts."""
         return self.accepts["suffix"]

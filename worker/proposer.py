@@ -196,10 +196,32 @@ class BubbleSpecProposer:
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         for i, d, generated in live:
             drafts[i] = d.propose(generated, cap, tps, lengths.get(i))
+        if self._drafts_do_not_pay_for_the_pass(live, drafts, tps):
+            drafts = [[] for _ in sampled_token_ids]
+            for _, d, _ in live:
+                d.withdraw()
         for rid in [r for r in self.drafters if r not in rows]:
             self._retire(rid)
         self._proposed = sum(map(len, drafts))
         return drafts
+
+    def _drafts_do_not_pay_for_the_pass(self, live: list[tuple[int, RequestDrafter, np.ndarray]],
+                                        drafts: list[list[int]], tps: float) -> bool:
+        """Whether this pass's drafts together are expected to gain fewer tokens than a pass
+        with any draft costs over one without (the measured fixed cost, ``DraftCostFit.
+        spec_seconds``, in the tokens the batch makes in that time). Each token already pays
+        for itself under the paying rule; this is the part no single token can. Only with the
+        cost measured (a figure set by hand carries no fixed part)."""
+        spec = self.cost_fit.spec_seconds if self.cost_fit is not None else 0.0
+        c = self.rule.draft_token_seconds
+        if spec <= 0 or c <= 0 or tps <= 0 or not any(drafts):
+            return False
+        gain = 0.0
+        for i, d, _ in live:
+            if drafts[i]:
+                a = d.last_accept
+                gain += sum(a ** j for j in range(1, len(drafts[i]) + 1)) - c * tps * len(drafts[i])
+        return gain < spec * tps
 
     def _makespan_lengths(self, live: list[tuple[int, RequestDrafter, np.ndarray]]) -> dict[int, int]:
         """Row -> draft length from ``tail_drafts`` for the rows a candidate continues; the pass

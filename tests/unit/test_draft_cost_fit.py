@@ -133,6 +133,30 @@ def test_what_the_engine_does_between_passes_is_not_charged_to_drafts() -> None:
     assert engine.proposer.rule.draft_token_seconds == pytest.approx(6.24e-5, rel=0.01)
 
 
+def _taught(engine: FakeEngine, spec: float, per_draft: float, rng) -> None:
+    """Teach the engine's fit a pass of 5 ms, ``spec`` more with any draft, ``per_draft`` a token."""
+    fit = engine.proposer.cost_fit
+    for _ in range(400):
+        d = int(rng.integers(1, 9)) if rng.random() < 0.5 else 0
+        fit.observe(1, d, 0.005 + spec * (d > 0) + per_draft * d + 2e-5 * rng.standard_normal())
+
+
+@pytest.mark.parametrize(("spec", "drafting"), [(0.1, False), (0.0005, True)])
+def test_drafts_that_cannot_pay_for_the_pass_as_a_whole_are_not_proposed(spec: float, drafting: bool) -> None:
+    # one request, perfect drafts of at most 8 tokens: they gain at most 8 tokens a pass, while a
+    # pass with any draft costs 100 ms more (the batch's 20 tokens at 5 ms a pass), or 0.5 ms
+    engine = FakeEngine(1, 8, 0.005, None, cost=5e-5, measure=True, answer_len=2000)
+    _taught(engine, spec, 5e-5, np.random.default_rng(6))
+    lengths = [engine.step()[0] for _ in range(12)]
+    assert engine.proposer.rule.draft_token_seconds == pytest.approx(5e-5, rel=0.2)
+    assert engine.proposer.cost_fit.spec_seconds == pytest.approx(spec, rel=0.2)
+    if drafting:
+        assert lengths[-5:] == [8] * 5
+    else:
+        assert lengths[-5:] == [0] * 5
+        assert all(d.last_accept == 0.0 for d in engine.proposer.drafters.values())  # withdrawn: nothing to count
+
+
 def test_a_set_cost_is_not_measured_and_measuring_is_the_workers_default() -> None:
     given = FakeEngine(4, 8, 0.01, 6.24e-5, cost=1e-3, measure=True, answer_len=2000)
     for _ in range(100):
