@@ -120,6 +120,7 @@ class WorkerAgent:
         self.tokens_window: list[tuple[float, int]] = []
         self.draft_seconds = 0.0
         self.spec_tokens: dict[str, list[int]] = {}  # draft source -> [drafted, accepted], completed requests
+        self.draft_token_seconds: float | None = None  # the engine's draft-length rule's figure (None: not read yet)
         self.draft_tokens: dict[str, int] = {}  # running draft job id -> tokens generated so far
         self.connected = asyncio.Event()
         self.failed: Exception | None = None  # set when the engine died: run() raises it
@@ -195,12 +196,14 @@ class WorkerAgent:
         async with self._channel() as channel:
             call = pbg.WorkerLinkStub(channel).Connect(self._outgoing(), metadata=metadata)
             beat = asyncio.create_task(self._heartbeats())
+            cost = asyncio.create_task(self._read_draft_cost())
             try:
                 async for msg in call:
                     self.connected.set()
                     await self._handle(msg)
             finally:
                 beat.cancel()
+                cost.cancel()
                 self.outbox.put_nowait(None)
 
     def _hello(self) -> pb.Hello:
@@ -271,6 +274,21 @@ class WorkerAgent:
             tps = sum(n for _, n in self.tokens_window) / 5.0
             self._send(heartbeat=pb.Heartbeat(running=len(self.tasks), tokens_per_second=tps))
             await asyncio.sleep(self.settings.heartbeat_seconds)
+
+    async def _read_draft_cost(self) -> None:
+        """Every ``DRAFT_COST_SECONDS``, read what the engine's draft-length rule takes a draft
+        token to cost (``VllmEngine.draft_cost``: set, or measured as it runs), for the metric
+        ``bubblespec_worker_draft_token_seconds``. Off the heartbeat's loop: a busy engine
+        answers late, and a late heartbeat gets a worker disconnected."""
+        read = getattr(self.engine, "draft_cost", None)
+        if read is None or not self.engine.info.speculation:
+            return
+        while True:
+            try:
+                self.draft_token_seconds = float((await read()).get("draft_token_seconds", 0.0))
+            except Exception as exc:  # telemetry: the gauge keeps its last value, the log says why
+                logger.warning("worker %s: could not read the engine's draft token cost: %s", self.worker_id, exc)
+            await asyncio.sleep(DRAFT_COST_SECONDS)
 
     # -------------------------------------------------------------- commands --
 
@@ -533,6 +551,8 @@ class WorkerAgent:
 BATCH_BYTES = 2**20
 """Most bytes of completions in one ``completions`` batch (a larger single one goes alone):
 far under the gRPC message limits (``max_message_bytes``, 64 MiB by default)."""
+DRAFT_COST_SECONDS = 10.0
+"""How often a worker reads its engine's draft token cost for its metrics."""
 BATCH_MAX = 256
 """Most completions in one ``completions`` batch."""
 

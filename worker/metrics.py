@@ -38,6 +38,9 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("bubblespec_worker_policy_version", "gauge", "Policy version whose weights this worker has loaded."),
     MetricSpec("bubblespec_worker_tokens_per_second", "gauge",
                "Tokens generated per second over the last 5 s window (as sent in heartbeats)."),
+    MetricSpec("bubblespec_worker_draft_token_seconds", "gauge",
+               "Seconds one draft token adds to this worker's engine pass, as its draft-length rule takes it (set by "
+               "--draft-token-seconds, or measured by the engine as it runs); 0 while unknown (drafts by acceptance)."),
     MetricSpec("bubblespec_worker_spec_drafted_tokens_total", "counter",
                "Draft tokens proposed for this worker's completed requests, by draft source "
                "(future, history, sibling, suffix).", ("source",)),
@@ -89,6 +92,8 @@ class WorkerMetrics(Collector):
             family(_SPECS["bubblespec_worker_policy_version"], [((), a.version)]),
             family(_SPECS["bubblespec_worker_tokens_per_second"], [((), _tokens_per_second(a))]),
         )
+        if a.draft_token_seconds is not None:
+            yield family(_SPECS["bubblespec_worker_draft_token_seconds"], [((), a.draft_token_seconds)])
         spec = sorted(a.spec_tokens.items())
         yield family(_SPECS["bubblespec_worker_spec_drafted_tokens_total"], [((src,), v[0]) for src, v in spec])
         yield family(_SPECS["bubblespec_worker_spec_accepted_tokens_total"], [((src,), v[1]) for src, v in spec])

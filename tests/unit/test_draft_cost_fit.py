@@ -167,3 +167,43 @@ def test_a_set_cost_is_not_measured_and_measuring_is_the_workers_default() -> No
         assert _engine_settings(build_parser().parse_args([command])).measure_draft_cost, command
     off = _engine_settings(build_parser().parse_args(["worker", "--no-measure-draft-cost"]))
     assert not off.measure_draft_cost
+
+
+# --- the worker's gauge --------------------------------------------------------------------------
+
+
+def test_the_worker_reads_its_engines_figure_for_its_metric_and_survives_a_failed_read(monkeypatch) -> None:
+    import asyncio
+
+    from bubblespec.worker import agent as agent_module
+    from bubblespec.worker.agent import WorkerAgent, WorkerSettings
+    from bubblespec.worker.engine import EngineInfo
+
+    answers: list = [{"draft_token_seconds": 4.2e-5, "source": "measured", "steps": 900},
+                     RuntimeError("engine busy"), {"draft_token_seconds": 5.0e-5, "source": "measured", "steps": 1200}]
+    seen: list = []  # the agent's figure as each read begins
+    done = asyncio.Event()
+
+    class Engine:
+        info = EngineInfo("m", 64, 16, True)
+
+        async def draft_cost(self) -> dict:
+            seen.append(agent.draft_token_seconds)
+            if not answers:
+                done.set()
+                await asyncio.Event().wait()  # the last read hangs: the test has what it needs
+            answer = answers.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+    agent = WorkerAgent(WorkerSettings(worker_id="w"), Engine())
+
+    async def run() -> None:
+        task = asyncio.create_task(agent._read_draft_cost())
+        await asyncio.wait_for(done.wait(), 5)
+        task.cancel()
+
+    monkeypatch.setattr(agent_module, "DRAFT_COST_SECONDS", 0.001)
+    asyncio.run(run())
+    assert seen == [None, 4.2e-5, 4.2e-5, 5.0e-5]  # not read yet (no gauge); the failed read kept the figure

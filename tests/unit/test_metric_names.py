@@ -114,6 +114,7 @@ class FakeAgent:
         self.tasks = {"s/p/0": None, "draft:d1": None}
         self.draft_seconds = 1.5
         self.spec_tokens = {"future": [10, 7], "suffix": [4, 3]}
+        self.draft_token_seconds = 3.0e-5
         self.version = 2
         self.tokens_window: list[tuple[float, int]] = []
         self.connected = asyncio.Event()
@@ -323,6 +324,9 @@ def test_worker_exporter_reads_agent_and_store():
     assert by_source[("bubblespec_worker_spec_drafted_tokens_total", "suffix")] == 4
     assert by_source[("bubblespec_worker_spec_accepted_tokens_total", "suffix")] == 3
     assert by_source[("bubblespec_worker_spec_accepted_tokens_total", "future")] == 7
+    assert samples["bubblespec_worker_draft_token_seconds"] == 3.0e-5
+    agent.draft_token_seconds = None  # an engine without speculation, or not read yet: no gauge
+    assert "bubblespec_worker_draft_token_seconds" not in {f.name for f in _families(exporter)}
 
 
 def test_requests_of_a_lost_worker_count_as_requeued_not_moved():
