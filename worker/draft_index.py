@@ -175,11 +175,13 @@ class DraftCostFit:
     seen ``min_steps`` clean passes, ``min_drafted`` of them with drafts (weighed as the fit
     weighs them), and its estimate is sure to ``max_rel_error`` (standard error over the
     estimate). It then keeps the last sure estimate while the data stops telling, for at most
-    ``expire_steps`` passes without a draft: a figure too high turns drafting off, which would
-    otherwise leave it nothing to learn from, so it expires and the acceptance rule drafts (and
-    measures) again. An estimate at or below zero (drafts free as far as the clock can tell)
-    reads as 0 too. A pass far off the fit (a garbage collection, the OS taking the core)
-    enters clipped to 4 residual deviations, so one stall cannot move the figure."""
+    ``expire_steps`` passes in which it held drafts back and none was verified: a figure too
+    high turns drafting off, which would otherwise leave it nothing to learn from, so it
+    expires and the acceptance rule drafts (and measures) again. Passes with nothing to draft
+    (requests without drafts, candidates that continue no one) do not count towards that. An
+    estimate at or below zero (drafts free as far as the clock can tell) reads as 0 too. A pass
+    far off the fit (a garbage collection, the OS taking the core) enters clipped to 4 residual
+    deviations, so one stall cannot move the figure."""
 
     def __init__(self, forget: float = 0.995, min_steps: int = 64, min_drafted: float = 16.0,
                  max_rel_error: float = 0.25, refit_every: int = 16, expire_steps: int = 2048):
@@ -194,7 +196,7 @@ class DraftCostFit:
         self._yy = 0.0
         self._w = 0.0  # the weights' sum (effective sample size)
         self._drafted = 0.0  # the weights' sum over passes with drafts
-        self._since_drafted = 0  # clean passes since the last one with drafts
+        self._since_drafted = 0  # clean passes that held drafts back since the last one with drafts
         self._coef: np.ndarray | None = None  # the last fit (base, per row, spec, per draft token)
         self._sigma = 0.0  # its residual standard deviation
         self.seconds_per_draft_token = 0.0
@@ -205,7 +207,9 @@ class DraftCostFit:
         """The last fit's fixed cost of a pass with drafts (0: no fit yet)."""
         return float(self._coef[2]) if self._coef is not None else 0.0
 
-    def observe(self, rows: int, drafts: int, seconds: float) -> None:
+    def observe(self, rows: int, drafts: int, seconds: float, held_back: bool = True) -> None:
+        """One clean pass: ``rows`` in the batch, ``drafts`` verified, ``seconds`` taken;
+        ``held_back``: whether the proposal before it kept drafts back that a candidate offered."""
         if rows <= 0 or not (math.isfinite(seconds) and seconds > 0):
             return
         x = np.array([1.0, float(rows), float(drafts > 0), float(drafts)])
@@ -218,7 +222,10 @@ class DraftCostFit:
         self._yy = f * self._yy + seconds * seconds
         self._w = f * self._w + 1.0
         self._drafted = f * self._drafted + float(drafts > 0)
-        self._since_drafted = 0 if drafts > 0 else self._since_drafted + 1
+        if drafts > 0:
+            self._since_drafted = 0
+        elif held_back:
+            self._since_drafted += 1
         self.steps += 1
         if self._since_drafted >= self.expire_steps:
             self.seconds_per_draft_token = 0.0
@@ -373,6 +380,9 @@ class RequestDrafter:
         self._seen = 0  # generated tokens already folded into the cursor
         self._missed = -1  # output length at which the last search found nothing (no new search there)
         self._last: tuple[str, int] | None = None  # (source, drafted) of the last proposal
+        self.held_back = False
+        """Whether the last proposal was cut to nothing by the length rule while a candidate
+        continued the request (what a draft token's cost figure holds back; ``DraftCostFit``)."""
         self._suffix = SuffixIndex(suffix, prompt_tokens) if suffix is not None and suffix.enabled else None
         self._suffix_seen = 0  # generated tokens already in the suffix index
         self._suffix_prompt = len(prompt_tokens)
@@ -434,12 +444,14 @@ class RequestDrafter:
         if self._suffix is not None:
             self._sync_suffix(generated)
         decided = k is not None
+        self.held_back = False
         pos = self._advance(generated) if (cap if k is None else k) > 0 and self.candidates else None
         if pos is not None:
             idx, at = pos
             cand = self.candidates[idx]
             if k is None:  # by the acceptance of this candidate's source
                 k = self.rule.for_request(self.accepts[cand.source], self.stats.forward_passes, cap, tokens_per_second)
+                self.held_back = k == 0 and at < len(cand.tokens)
             draft = cand.tokens[at : at + k]
             if len(draft):
                 self._last = (cand.source, len(draft))

@@ -118,6 +118,7 @@ class BubbleSpecProposer:
         self.rate = StepRate()  # the batch's tokens/s, for the paying rule
         self.drafted = 0.0  # draft tokens per step, averaged as the rate's seconds are (the pass without them)
         self._proposed = 0  # draft tokens proposed at the previous step (verified in this one)
+        self._held_back = False  # whether that proposal held drafts back (cost rule or the pass's veto)
         self.clock = time.perf_counter
         self._rows: set[str] = set()  # request ids of the previous step's batch
         self.cost_fit: DraftCostFit | None = None  # measures the draft token's cost where no setting gives it
@@ -196,10 +197,12 @@ class BubbleSpecProposer:
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         for i, d, generated in live:
             drafts[i] = d.propose(generated, cap, tps, lengths.get(i))
+        self._held_back = any(d.held_back for _, d, _ in live)
         if self._drafts_do_not_pay_for_the_pass(live, drafts, tps):
             drafts = [[] for _ in sampled_token_ids]
             for _, d, _ in live:
                 d.withdraw()
+            self._held_back = True
         for rid in [r for r in self.drafters if r not in rows]:
             self._retire(rid)
         self._proposed = sum(map(len, drafts))
@@ -262,7 +265,7 @@ class BubbleSpecProposer:
             self.drafted += self.rate.ema * (self._proposed - self.drafted)
         started, self._pass_started = self._pass_started, None
         if self.cost_fit is not None and clean and started is not None and now > started:
-            self.cost_fit.observe(len(rows), self._proposed, now - started)
+            self.cost_fit.observe(len(rows), self._proposed, now - started, self._held_back)
             if self.cost_fit.seconds_per_draft_token != self.rule.draft_token_seconds:
                 self._set_draft_token_seconds(self.cost_fit.seconds_per_draft_token)
         return self.rate.tokens_per_second() if self.rule.draft_token_seconds > 0 else 0.0

@@ -207,3 +207,13 @@ def test_the_worker_reads_its_engines_figure_for_its_metric_and_survives_a_faile
     monkeypatch.setattr(agent_module, "DRAFT_COST_SECONDS", 0.001)
     asyncio.run(run())
     assert seen == [None, 4.2e-5, 4.2e-5, 5.0e-5]  # not read yet (no gauge); the failed read kept the figure
+
+
+def test_passes_with_nothing_held_back_do_not_expire_the_figure() -> None:
+    # a bench's baseline arms run thousands of passes without drafts: nothing to learn, nothing held back
+    rng = np.random.default_rng(7)
+    fit = DraftCostFit(expire_steps=256)
+    _steps(fit, rng, 1000, 30e-6)
+    for _ in range(1000):
+        fit.observe(8, 0, 3e-3, held_back=False)
+    assert fit.seconds_per_draft_token == pytest.approx(30e-6, rel=0.1)
