@@ -21,8 +21,13 @@ MAX_LEN = 512
 
 
 def engine_settings(model: str, **over) -> EngineSettings:
+    """The test engines' settings. Draft lengths by acceptance alone (no measured draft token
+    cost): the exactness checks must see every kind of draft proposed, garbage included, and a
+    figure measured during earlier tests would hold low-acceptance drafts back (as it should in
+    service) depending on what ran before. The measuring default has its own engine
+    (test_paying_drafts_engine.py) and runs in the demo's subprocess (test_demo_output.py)."""
     base = dict(model=model, max_model_len=MAX_LEN, max_num_seqs=32, num_speculative_tokens=4,
-                kv_cache_memory_bytes=128 * 2**20)
+                kv_cache_memory_bytes=128 * 2**20, measure_draft_cost=False)
     base.update(over)
     return EngineSettings(**base)
 

@@ -51,11 +51,19 @@ async def test_a_draft_token_that_never_pays_turns_drafting_off(reference_engine
         await engine.shutdown()
 
 
-async def test_an_engine_measures_its_draft_tokens_cost_and_stays_exact(reference_engine, cluster):
-    """A worker's engine at the defaults (no cost given: ``measure_draft_cost``) fits what a
-    draft token adds to its steps from its own clean steps, and says so (``draft_cost``); the
+async def test_an_engine_measures_its_draft_tokens_cost_and_stays_exact(reference_engine, tiny_model):
+    """An engine at the worker's defaults (no cost given: ``measure_draft_cost``) fits what a
+    draft token adds to its passes from its own clean passes, and says so (``draft_cost``); the
     outputs stay token-identical to an engine without speculation throughout."""
-    engine = cluster.engines[1]
+    engine = VllmEngine(engine_settings(tiny_model, measure_draft_cost=True))
+    await engine.start()
+    try:
+        await _measures_and_stays_exact(reference_engine, engine)
+    finally:
+        await engine.shutdown()
+
+
+async def _measures_and_stays_exact(reference_engine, engine) -> None:
     prompts = token_prompts(24, seed=37)
     sp = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
     expected = [o.token_ids for o in await run_engine(reference_engine, prompts, sp, tag="ref")]
