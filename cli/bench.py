@@ -279,8 +279,7 @@ def draft_cost_line(costs: list[dict]) -> str:
         over = f" over {c['steps']} passes" if c["source"] == "measured" else ""
         return f"{c['draft_token_seconds']:.2g} s {c['source']}{over}"
 
-    told = [one(c) for c in costs]
-    return "A draft token's cost, per engine: " + "; ".join(told) if told else ""
+    return "A draft token's cost, per engine: " + "; ".join(one(c) for c in costs)
 
 
 def combine_runs(per_run: list[list[dict]]) -> list[dict]:

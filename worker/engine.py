@@ -58,10 +58,12 @@ class EngineSettings:
     number turns drafting off where it pays or on where it does not. Exact whatever the value (docs/EXACTNESS.md)."""
     measure_draft_cost: bool = True
     """With ``draft_token_seconds`` unset (0): the proposer measures what a draft token adds to
-    this engine's steps as it runs (``draft_index.DraftCostFit``: a least-squares fit of the
-    clean steps' wall time on their rows and draft tokens) and, once the figure is sure, uses
-    the paying rule with it, so drafting turns itself off where it costs more than it saves
-    without a calibration run. Until then, and with this off, the acceptance rule alone.
+    this engine's passes as it runs (``draft_index.DraftCostFit``: a least-squares fit of each
+    clean pass's time, from the runner's ``execute_model`` to the proposer, on its rows, whether
+    it verified any draft, and its draft tokens) and, once the figure is sure, uses the paying
+    rule with it (and holds back a pass's drafts that cannot pay for the fitted fixed cost of
+    verifying any), so drafting turns itself off where it costs more than it saves without a
+    calibration run. Until then, and with this off, the acceptance rule alone.
     ``VllmEngine.draft_cost`` reports the figure. Exact either way (docs/EXACTNESS.md)."""
     draft_for_makespan: bool = True
     """With a draft token's cost set or measured: requests that a stored or sibling draft continues get

@@ -273,8 +273,8 @@ class BubbleSpecProposer:
     def _set_draft_token_seconds(self, seconds: float) -> None:
         """The measured cost, for this rule and every live request's (they share it)."""
         if seconds > 0 and (self.rule.draft_token_seconds <= 0 or abs(seconds / self.rule.draft_token_seconds - 1) > 0.25):
-            logger.info("draft length by cost: measured %.3g s per draft token over %d steps",
-                        seconds, self.cost_fit.steps if self.cost_fit else 0)
+            logger.info("draft length by cost: measured %.3g s per draft token over %d passes",
+                        seconds, self.cost_fit.steps if self.cost_fit is not None else 0)
         self.rule = replace(self.rule, draft_token_seconds=seconds)
         for d in self.drafters.values():
             d.rule = self.rule
