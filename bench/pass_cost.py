@@ -167,6 +167,7 @@ class Model:
                         "gate_up": w(d, 2 * s.ffn), "down": w(s.ffn, d),
                         "n1": torch.ones(d, device=device, dtype=dtype),
                         "n2": torch.ones(d, device=device, dtype=dtype)} for _ in range(s.layers)]
+        self.attention = "auto"  # or an SDPA backend every pass is pinned to (``attention_context``)
         self.caches: list[tuple] = []  # the rest is set by ``prepare`` for each measured shape
         self.mask = None
         self.rope: tuple | None = None
@@ -198,6 +199,20 @@ class Model:
         self.ctx = ctx
         return buffers
 
+    def attention_context(self):
+        """A context pinning ``scaled_dot_product_attention`` to ``self.attention``'s backend; a
+        no-op for ``auto``, where PyTorch picks for each shape, so a pass with drafts (its causal
+        bias aligned lower right) and a pass without may run different kernels."""
+        import contextlib
+
+        if self.attention == "auto":
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                   "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}[self.attention]
+        return sdpa_kernel([backend])
+
     def _rms(self, x, weight):
         torch = self.torch
         var = x.float().pow(2).mean(-1, keepdim=True)
@@ -210,12 +225,15 @@ class Model:
         return self.torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
 
     def forward(self, tokens, all_logits: bool = True):
+        batch, q_len = tokens.shape
+        x = self.embed[tokens]
+        with self.attention_context():
+            return self._layers(x, batch, q_len, all_logits)
+
+    def _layers(self, x, batch: int, q_len: int, all_logits: bool):
         torch, s = self.torch, self.shape
         F = torch.nn.functional
-        batch, q_len = tokens.shape
-        hd = s.head_dim
-        ctx = self.ctx
-        x = self.embed[tokens]
+        hd, ctx = s.head_dim, self.ctx
         for i, layer in enumerate(self.layers):
             kc, vc = self.caches[i % len(self.caches)]
             h = self._rms(x, layer["n1"]) @ layer["qkv"]
@@ -234,6 +252,19 @@ class Model:
 
 
 # ----------------------------------------------------------------------------------- measuring
+
+
+def attention_kernels(model: Model, tokens, all_logits: bool) -> list[str]:
+    """The names of the GPU kernels one eager pass of this shape ran for attention (from the
+    profiler), so a report says which kernel each point timed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model.forward(tokens, all_logits)
+        model.torch.cuda.synchronize()
+    marks = ("attn", "attention", "fmha", "flash", "sdpa", "cudnn", "softmax")
+    names = {e.name for e in prof.events() if e.device_type.name == "CUDA" and any(m in e.name.lower() for m in marks)}
+    return sorted(n[:120] for n in names)
 
 
 def time_pass(model: Model, batch: int, ctx: int, q_len: int, *, all_logits: bool, kv_budget: int,
@@ -257,6 +288,7 @@ def time_pass(model: Model, batch: int, ctx: int, q_len: int, *, all_logits: boo
         for _ in range(2):
             model.forward(tokens, all_logits)
     torch.cuda.current_stream().wait_stream(stream)
+    kernels = attention_kernels(model, tokens, all_logits)
     run = None
     if graph:
         g = torch.cuda.CUDAGraph()
@@ -284,7 +316,7 @@ def time_pass(model: Model, batch: int, ctx: int, q_len: int, *, all_logits: boo
     if graph:
         del g
     return {"seconds": statistics.median(times), "min_seconds": min(times), "reps": reps, "kv_buffers": buffers,
-            "graph": graph}
+            "graph": graph, "attention_kernels": kernels}
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -294,6 +326,7 @@ def measure(args: argparse.Namespace) -> dict:
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     t_start = time.perf_counter()
     model = Model(shape, args.device, dtype)
+    model.attention = args.attention
     weight_bytes = shape.params() * (torch.finfo(dtype).bits // 8)
     if args.device == "cpu":
         kv_budget = 1 << 30
@@ -303,7 +336,8 @@ def measure(args: argparse.Namespace) -> dict:
         kv_budget = int(free * 0.6)
         device_name = torch.cuda.get_device_name(0)
     report = {"device": device_name, "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
-              "shape": asdict(shape), "params": shape.params(), "weight_bytes": weight_bytes, "ctx": args.ctx,
+              "shape": asdict(shape), "attention": args.attention, "params": shape.params(), "weight_bytes": weight_bytes,
+              "ctx": args.ctx,
               "kv_budget_bytes": kv_budget, "decode": [], "prefill": [], "context": []}
     batches = [int(b) for b in args.batches.split(",")]
     ks = [int(k) for k in args.draft_lengths.split(",")]
@@ -312,8 +346,9 @@ def measure(args: argparse.Namespace) -> dict:
         r = time_pass(model, batch, ctx, 1 + k, all_logits=True, kv_budget=kv_budget, graph=not args.no_graph,
                       target_s=args.target_seconds)
         r.update(batch=batch, ctx=ctx, k=k)
+        kernels = "; ".join(r.get("attention_kernels", []))
         print(f"  batch {batch:4d} ctx {ctx:5d} k {k:2d}: {r['seconds'] * 1e3:8.3f} ms "
-              f"(min {r['min_seconds'] * 1e3:.3f}, {r['reps']} reps, {r['kv_buffers']} kv buffers)", flush=True)
+              f"(min {r['min_seconds'] * 1e3:.3f}, {r['reps']} reps, {r['kv_buffers']} kv buffers) {kernels}", flush=True)
         return r
 
     print(f"{device_name}: {shape.params() / 1e9:.2f}B parameters, {report['dtype']}", flush=True)
@@ -363,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill", default="128,512,2048,4096", help="prompt lengths of the prefill points")
     p.add_argument("--target-seconds", type=float, default=0.4, help="replay time per point (5-40 replays)")
     p.add_argument("--no-graph", action="store_true", help="time eager passes instead of CUDA-graph replays")
+    p.add_argument("--attention", choices=("auto", "flash", "efficient", "cudnn", "math"), default="auto",
+                   help="the attention kernel: auto lets PyTorch pick for each shape; the others pin every "
+                        "pass's scaled_dot_product_attention to one backend (a pass it cannot run fails)")
     args = p.parse_args(argv)
     if args.fit:
         with open(args.fit) as f:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CPU_TINY", "GPU_H100_7B", "GPU_H100_7B_CONTEXT", "GPU_H100_7B_PUBLISHED", "PROFILES", "CostProfile"]
+__all__ = ["CPU_TINY", "GPU_H100_7B", "GPU_H100_7B_CONTEXT", "GPU_H100_7B_FLASH",
+           "GPU_H100_7B_PUBLISHED", "PROFILES", "CostProfile"]
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,25 @@ GPU_H100_7B = CostProfile(
            "CUDA graphs, 1,024-token contexts (bench/measurements/h100-llama7b-mha.json)",
 )
 
+GPU_H100_7B_FLASH = CostProfile(
+    name="gpu-h100-7b-flash",
+    # The same model, machine and grid as gpu-h100-7b, measured again on 2026-11-26 with every
+    # pass's attention pinned to PyTorch's flash kernel (`bench/pass_cost.py --attention flash`).
+    # Left to pick, PyTorch ran cuDNN's attention for a pass without drafts and the flash kernel
+    # for a pass with them (the report names each point's kernels), so gpu-h100-7b charges the
+    # first draft token of a pass for a change of kernel; vLLM runs one attention kernel for both.
+    # Least squares over the same 48 points: median relative error 2.8%, at most 9.8%. Report:
+    # bench/measurements/h100-llama7b-mha-flash.json. Observed: 8.6 ms at batch 1, 23.4 ms at
+    # 64, 71.2 ms at 256; batch 64 verifying 4 each 30.3 ms.
+    base_seconds=8.61e-3,
+    per_seq_seconds=2.54e-4,
+    per_draft_token_seconds=2.30e-5,
+    prefill_per_token_seconds=3.19e-5,
+    source="bench/pass_cost.py --attention flash on one H100 80GB HBM3, 2026-11-26: Llama-2-7B shape in plain "
+           "PyTorch, bfloat16, CUDA graphs, 1,024-token contexts, one attention kernel for every pass "
+           "(bench/measurements/h100-llama7b-mha-flash.json)",
+)
+
 GPU_H100_7B_CONTEXT = CostProfile(
     name="gpu-h100-7b-context",
     # The same report as gpu-h100-7b, fitted with the context as a variable: least squares over
@@ -145,6 +165,6 @@ GPU_H100_7B_PUBLISHED = CostProfile(
     source="published vLLM benchmark figures for a 7B model on one H100, approximate",
 )
 
-PROFILES: dict[str, CostProfile] = {p.name: p for p in (CPU_TINY, GPU_H100_7B, GPU_H100_7B_CONTEXT,
+PROFILES: dict[str, CostProfile] = {p.name: p for p in (CPU_TINY, GPU_H100_7B, GPU_H100_7B_CONTEXT, GPU_H100_7B_FLASH,
                                                         GPU_H100_7B_PUBLISHED)}
 """Profiles by CLI name."""

@@ -15,6 +15,7 @@ from bubblespec.bench.sim.costs import (
     CPU_TINY,
     GPU_H100_7B,
     GPU_H100_7B_CONTEXT,
+    GPU_H100_7B_FLASH,
     GPU_H100_7B_PUBLISHED,
     PROFILES,
     CostProfile,
@@ -63,7 +64,7 @@ def test_step_seconds_is_linear_in_batch_drafts_and_prefill() -> None:
 
 def test_profiles_are_named_sourced_and_the_gpu_profile_is_its_measurement() -> None:
     assert PROFILES == {"cpu-tiny": CPU_TINY, "gpu-h100-7b": GPU_H100_7B, "gpu-h100-7b-context": GPU_H100_7B_CONTEXT,
-                        "gpu-h100-7b-published": GPU_H100_7B_PUBLISHED}
+                        "gpu-h100-7b-flash": GPU_H100_7B_FLASH, "gpu-h100-7b-published": GPU_H100_7B_PUBLISHED}
     assert all(p.source for p in PROFILES.values())
     # gpu-h100-7b is the fit of the H100 report it names, to three significant figures
     report = json.loads((REPO / "bench" / "measurements" / "h100-llama7b-mha.json").read_text())
@@ -80,6 +81,34 @@ def test_profiles_are_named_sourced_and_the_gpu_profile_is_its_measurement() -> 
         assert 0.009 <= GPU_H100_7B_PUBLISHED.step_seconds(batch) <= 0.015
     # the calibrated CPU figures (2026-11-24): 2.0 ms at batch 1 and 5.5 ms at batch 48 were measured
     assert 0.0015 <= CPU_TINY.step_seconds(1) <= 0.003 and 0.004 <= CPU_TINY.step_seconds(48) <= 0.007
+
+
+def test_the_flash_profile_is_the_one_kernel_measurement_and_its_passes_ran_one_kernel() -> None:
+    """gpu-h100-7b-flash is the fit of the report measured with every pass's attention pinned to
+    the flash kernel, and that report's points say they ran it, with and without drafts; the
+    report behind gpu-h100-7b ran cuDNN's kernel without drafts and the flash kernel with them."""
+    report = json.loads((REPO / "bench" / "measurements" / "h100-llama7b-mha-flash.json").read_text())
+    assert report["attention"] == "flash" and report["shape"]["kv_heads"] == 32 and "H100" in report["device"]
+    fit = fit_profile(report)
+    for name in ("base_seconds", "per_seq_seconds", "per_draft_token_seconds", "prefill_per_token_seconds"):
+        assert getattr(GPU_H100_7B_FLASH, name) == pytest.approx(fit[name], rel=5e-3), name
+    assert fit["median_rel_error"] < 0.03 and fit["max_rel_error"] < 0.1
+    for p in report["decode"]:
+        assert any("flash_fwd" in k for k in p["attention_kernels"]), p
+        assert not any("cudnn" in k for k in p["attention_kernels"]), p
+    probes = json.loads((REPO / "bench" / "measurements" / "h100-llama7b-attention-probes.json").read_text())
+    auto = probes["reports"]["mha-auto"]
+    assert auto["attention"] == "auto"
+    for p in auto["decode"]:
+        kernels = " ".join(p["attention_kernels"])
+        assert ("cudnn" in kernels) == (p["k"] == 0) and ("flash_fwd" in kernels) == (p["k"] > 0), p
+    # at batch 64 the first draft token of each sequence added 6.3 ms across the change of kernel,
+    # 3.6 ms within the flash kernel and 0.9 ms within the memory-efficient one
+    efficient = json.loads((REPO / "bench" / "measurements" / "h100-llama7b-mha-efficient.json").read_text())
+    first = {name: r[64, 1] - r[64, 0] for name, r in (
+        (name, {(p["batch"], p["k"]): p["seconds"] for p in rep["decode"]})
+        for name, rep in (("auto", auto), ("flash", report), ("efficient", efficient)))}
+    assert first["auto"] > 1.5 * first["flash"] > 1.5 * 2 * first["efficient"] > 0, first
 
 
 def test_the_context_profile_is_the_context_fit_of_the_same_report_and_charges_its_sweep() -> None:
