@@ -101,7 +101,9 @@ GPU_H100_7B = CostProfile(
     # bench/measurements/h100-llama7b-mha.json. Observed: 7.6 ms at batch 1, 19.8 ms at batch
     # 64, 55.3 ms at batch 256; batch 1 verifying 32 draft tokens 9.2 ms; batch 64 verifying 4
     # each 30.2 ms. The cost per sequence is its KV cache read (512 KiB a token at 1,024 tokens
-    # is ~0.18 ms at 3 TB/s); longer contexts cost more (the report's context sweep).
+    # is ~0.18 ms at 3 TB/s); longer contexts cost more (the report's context sweep). PyTorch
+    # picked the attention kernel: cuDNN's for passes without drafts, flash for passes with them
+    # (gpu-h100-7b-flash pins one kernel; docs/SIMULATOR.md compares the two).
     base_seconds=7.50e-3,
     per_seq_seconds=2.22e-4,
     per_draft_token_seconds=3.63e-5,
