@@ -40,10 +40,12 @@ def test_fit_refuses_points_that_cannot_determine_the_constants() -> None:
         fit_profile({**r, "prefill": r["prefill"][:1]})
 
 
+@pytest.mark.parametrize("attention", ["auto", "math", "flash"])
 @pytest.mark.parametrize("kv_heads", [4, 2])  # multi-head and grouped-query attention
-def test_a_verification_pass_scores_each_position_as_decoding_one_at_a_time(kv_heads: int) -> None:
+def test_a_verification_pass_scores_each_position_as_decoding_one_at_a_time(kv_heads: int, attention: str) -> None:
     torch.manual_seed(0)
     model = Model(replace(TINY, kv_heads=kv_heads), "cpu", torch.float32)
+    model.attention = attention
     ctx, q_len, batch = 20, 4, 3
     model.prepare(batch, ctx, q_len, 1 << 30)
     tokens = torch.randint(0, TINY.vocab, (batch, q_len))
@@ -65,3 +67,16 @@ def test_the_cpu_smoke_run_measures_every_point_and_fits_them(tmp_path) -> None:
     assert [(p["batch"], p["k"]) for p in report["decode"]] == [(1, 0), (1, 4), (4, 0), (4, 4)]
     assert all(p["seconds"] > 0 for p in report["decode"] + report["prefill"] + report["context"])
     assert report["fit"]["points_used"] == 4 and len(report["context"]) == 2
+
+
+def test_a_pinned_attention_kernel_is_recorded_and_a_kernel_that_cannot_run_fails(tmp_path) -> None:
+    """``--attention`` pins every pass to one backend: the report says which, and a backend the
+    device lacks (cuDNN's on a CPU) fails the pass instead of falling back to another."""
+    args = ["--device", "cpu", "--tiny", "--ctx", "16", "--batches", "1,2", "--draft-lengths", "0,2", "--contexts", "",
+            "--prefill", "8,16"]
+    out = tmp_path / "report.json"
+    assert main([*args, "--attention", "math", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["attention"] == "math" and len(report["decode"]) == 4
+    with pytest.raises(RuntimeError, match="No viable backend"):
+        main([*args, "--attention", "cudnn"])
