@@ -29,7 +29,9 @@ Usage (on a GPU machine; only torch and numpy are needed)::
 ``fit_profile`` (used by the tests and by ``--fit FILE``) turns the measured points into the
 profile's constants: least squares over the points inside the draft-length rule's regime.
 ``fit_context_profile`` fits them with the context as a variable too (the simulator's
-``gpu-h100-7b-context`` profile), where the report has a context sweep.
+``gpu-h100-7b-context`` profile), where the report has a context sweep;
+``fit_speculation_profile`` with a pass's fixed and per-sequence costs of verifying drafts
+(``gpu-h100-7b-flash``). ``--attention`` pins every pass to one attention kernel.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-__all__ = ["LlamaShape", "fit_context_profile", "fit_profile", "main"]
+__all__ = ["LlamaShape", "fit_context_profile", "fit_profile", "fit_speculation_profile", "main"]
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,30 @@ def fit_profile(report: dict, token_budget: int = 256) -> dict:
     return {"base_seconds": base, "per_seq_seconds": per_seq, "per_draft_token_seconds": per_draft,
             "prefill_per_token_seconds": per_prompt, "points_used": len(used), "token_budget": token_budget,
             "max_rel_error": max(errors), "median_rel_error": statistics.median(errors), "outside": outside}
+
+
+def fit_speculation_profile(report: dict, token_budget: int = 256) -> dict:
+    """``fit_profile``'s decode fit with the two costs of a pass with drafts beyond its draft
+    tokens: ``base + per_seq * batch + spec_pass * [k > 0] + per_drafted_seq * batch * [k > 0]
+    + per_draft_token * batch * k`` over the same points (every sequence of a measured pass
+    verifies ``k``). Raises ``ValueError`` unless the points have passes with and without drafts
+    at two batch sizes and two draft lengths."""
+    ctx = report["ctx"]
+    used = [p for p in report["decode"] if p["ctx"] == ctx and p["batch"] * p["k"] <= token_budget]
+    drafted = [p for p in used if p["k"] > 0]
+    if (len({p["batch"] for p in used if p["k"] == 0}) < 2 or len({p["batch"] for p in drafted}) < 2
+            or len({p["k"] for p in drafted}) < 2):
+        raise ValueError("decode points: need passes without drafts at two batch sizes, and with drafts at two "
+                         "batch sizes and two draft lengths, inside the budget")
+    rows = [[1.0, p["batch"], float(p["k"] > 0), p["batch"] * float(p["k"] > 0), p["batch"] * p["k"]] for p in used]
+    ys = [p["seconds"] for p in used]
+    coef = _lstsq(rows, ys)
+    errors = [abs(sum(c * x for c, x in zip(coef, row)) - y) / y for row, y in zip(rows, ys)]
+    base, per_seq, spec_pass, per_drafted_seq, per_draft = coef
+    return {"base_seconds": base, "per_seq_seconds": per_seq, "spec_pass_seconds": spec_pass,
+            "per_drafted_seq_seconds": per_drafted_seq, "per_draft_token_seconds": per_draft,
+            "points_used": len(used), "token_budget": token_budget, "max_rel_error": max(errors),
+            "median_rel_error": statistics.median(errors)}
 
 
 def fit_context_profile(report: dict, token_budget: int = 256) -> dict:
@@ -409,6 +435,15 @@ def main(argv: list[str] | None = None) -> int:
         report = measure(args)
     report["fit"] = fit_profile(report)
     print_fit(report["fit"])
+    try:
+        sp = report["speculation_fit"] = fit_speculation_profile(report)
+        print(f"fit with the costs of a pass with drafts: base {sp['base_seconds'] * 1e3:.3f} ms, per seq "
+              f"{sp['per_seq_seconds'] * 1e6:.2f} us; a pass with drafts {sp['spec_pass_seconds'] * 1e3:.3f} ms more, "
+              f"each sequence with drafts {sp['per_drafted_seq_seconds'] * 1e6:.2f} us more, per draft token "
+              f"{sp['per_draft_token_seconds'] * 1e6:.2f} us; relative error median {sp['median_rel_error']:.3f}, "
+              f"max {sp['max_rel_error']:.3f}")
+    except ValueError as e:
+        print(f"no fit with the costs of a pass with drafts: {e}")
     if len({p["ctx"] for p in [*report["decode"], *report.get("context", [])]}) > 1:
         c = report["context_fit"] = fit_context_profile(report)
         print(f"fit with the context over {c['points_used']} points: base {c['base_seconds'] * 1e3:.3f} ms, "

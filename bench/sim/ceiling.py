@@ -70,7 +70,7 @@ def _tokens_per_pass(alphas: np.ndarray, k: np.ndarray) -> np.ndarray:
 def _best_rates(alphas: np.ndarray, profile: CostProfile, most: int) -> np.ndarray:
     """``best_rate`` of each of ``alphas`` (a step's requests at once)."""
     k = np.arange(most + 1)
-    return (_tokens_per_pass(alphas, k) / profile.step_seconds(1, k)).max(axis=1)
+    return (_tokens_per_pass(alphas, k) / profile.step_seconds(1, k, drafted_sequences=(k > 0).astype(int))).max(axis=1)
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,8 @@ def _context_floor(length: float, covered: float, alpha: float, rest_alpha: floa
     mid = (edges[:-1] + edges[1:]) / 2
     context = (prompt + mid)[:, None]
     k = np.arange(most + 1)
-    seconds = profile.step_seconds(1, k, context_tokens=context, draft_context_tokens=k * context)
+    seconds = profile.step_seconds(1, k, context_tokens=context, draft_context_tokens=k * context,
+                                   drafted_sequences=(k > 0).astype(int))
     tokens = _tokens_per_pass(np.where(mid < covered, max(alpha, rest_alpha), rest_alpha), k)
     return float((np.diff(edges) * (seconds / tokens).min(axis=1)).sum())
 
@@ -146,10 +147,11 @@ def _passes_and_work(L: np.ndarray, C: np.ndarray, alphas: np.ndarray, prompt: i
     passes = C / tokens[:, -1] + (L - C)
     per_seq, per_ctx = profile.per_seq_seconds, profile.per_context_token_seconds
     per_draft, per_draft_ctx = profile.per_draft_token_seconds, profile.per_draft_context_token_seconds
+    per_drafted = profile.per_drafted_seq_seconds  # a pass's fixed spec_pass_seconds is left out, as base_seconds is
     work = (L - C) * (per_seq + per_ctx * (prompt + (C + L) / 2)) + profile.prefill_seconds(prompt)
     for j in range(WORK_SEGMENTS):
         context = (prompt + C * j / WORK_SEGMENTS)[:, None]
-        cost = (per_seq + per_ctx * context + k * (per_draft + per_draft_ctx * context)) / tokens
+        cost = (per_seq + per_ctx * context + k * (per_draft + per_draft_ctx * context) + per_drafted * (k > 0)) / tokens
         work += C / WORK_SEGMENTS * cost.min(axis=1)
     return passes, work
 

@@ -41,6 +41,11 @@ class CostProfile:
     per_draft_context_token_seconds: float = 0.0
     """Extra cost per draft token per token of its sequence's context (attention over the
     context for each verified position). 0: a draft token costs the same at any context."""
+    spec_pass_seconds: float = 0.0
+    """Fixed extra cost of a pass that verifies any draft token. 0: none."""
+    per_drafted_seq_seconds: float = 0.0
+    """Extra cost per sequence that verifies draft tokens in the pass, apart from the tokens'
+    own cost (a sequence's first draft token costs more than its next ones). 0: none."""
 
     @property
     def context_aware(self) -> bool:
@@ -48,24 +53,37 @@ class CostProfile:
 
     def __post_init__(self) -> None:
         for name in ("base_seconds", "per_seq_seconds", "per_draft_token_seconds", "prefill_per_token_seconds",
-                     "per_context_token_seconds", "per_draft_context_token_seconds"):
+                     "per_context_token_seconds", "per_draft_context_token_seconds", "spec_pass_seconds",
+                     "per_drafted_seq_seconds"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.base_seconds + self.per_seq_seconds <= 0:
             raise ValueError("a forward pass must take some time: base_seconds + per_seq_seconds > 0")
 
     def step_seconds(self, batch_size: int, draft_tokens_total: int = 0, prefill_tokens: int = 0,
-                     context_tokens: float = 0.0, draft_context_tokens: float = 0.0) -> float:
+                     context_tokens: float = 0.0, draft_context_tokens: float = 0.0,
+                     drafted_sequences: int = 0) -> float:
         """Seconds of one forward pass over ``batch_size`` sequences verifying ``draft_tokens_total``
         draft tokens in all and prefilling ``prefill_tokens`` prompt tokens; with a context-aware
         profile, the sequences hold ``context_tokens`` tokens in all, and ``draft_context_tokens``
-        is the sum over sequences of their draft tokens times their context (numpy arrays work
-        too, element by element)."""
-        return (self.base_seconds + self.per_seq_seconds * batch_size
-                + self.per_draft_token_seconds * draft_tokens_total
-                + self.prefill_per_token_seconds * prefill_tokens
-                + self.per_context_token_seconds * context_tokens
-                + self.per_draft_context_token_seconds * draft_context_tokens)
+        is the sum over sequences of their draft tokens times their context. ``drafted_sequences``
+        of the sequences verify drafts (the pass's fixed and per-sequence costs of speculation;
+        0 with drafts counts none). Numpy arrays work too, element by element."""
+        seconds = (self.base_seconds + self.per_seq_seconds * batch_size
+                   + self.per_draft_token_seconds * draft_tokens_total
+                   + self.prefill_per_token_seconds * prefill_tokens
+                   + self.per_context_token_seconds * context_tokens
+                   + self.per_draft_context_token_seconds * draft_context_tokens)
+        if self.speculation_costs:  # kept apart: the other profiles' figures stay the same to the bit
+            seconds = (seconds + self.spec_pass_seconds * (drafted_sequences > 0)
+                       + self.per_drafted_seq_seconds * drafted_sequences)
+        return seconds
+
+    @property
+    def speculation_costs(self) -> bool:
+        """A pass with drafts costs more than its draft tokens (``spec_pass_seconds``,
+        ``per_drafted_seq_seconds``)."""
+        return self.spec_pass_seconds > 0 or self.per_drafted_seq_seconds > 0
 
     def prefill_seconds(self, prompt_tokens: int) -> float:
         """Seconds added to a pass that prefills ``prompt_tokens`` tokens."""
@@ -119,16 +137,20 @@ GPU_H100_7B_FLASH = CostProfile(
     # Left to pick, PyTorch ran cuDNN's attention for a pass without drafts and the flash kernel
     # for a pass with them (the report names each point's kernels), so gpu-h100-7b charges the
     # first draft token of a pass for a change of kernel; vLLM runs one attention kernel for both.
-    # Least squares over the same 48 points: median relative error 2.8%, at most 9.8%. Report:
-    # bench/measurements/h100-llama7b-mha-flash.json. Observed: 8.6 ms at batch 1, 23.4 ms at
-    # 64, 71.2 ms at 256; batch 64 verifying 4 each 30.3 ms.
-    base_seconds=8.61e-3,
-    per_seq_seconds=2.54e-4,
-    per_draft_token_seconds=2.30e-5,
+    # Fitted by `fit_speculation_profile` over the same 48 points, with a pass's fixed cost of
+    # verifying any draft and a cost per sequence that verifies drafts: median relative error
+    # 1.4%, at most 5.9% (the three-term fit of the same report: 2.8%, 9.8%; 8.61 ms, 254 us,
+    # 23.0 us). Report: bench/measurements/h100-llama7b-mha-flash.json. Observed: 8.6 ms at
+    # batch 1, 23.4 ms at 64, 71.2 ms at 256; batch 64 verifying 1 each 26.9 ms, 4 each 30.3 ms.
+    base_seconds=8.42e-3,
+    per_seq_seconds=2.43e-4,
+    per_draft_token_seconds=1.55e-5,
     prefill_per_token_seconds=3.19e-5,
+    spec_pass_seconds=5.12e-4,
+    per_drafted_seq_seconds=2.82e-5,
     source="bench/pass_cost.py --attention flash on one H100 80GB HBM3, 2026-11-26: Llama-2-7B shape in plain "
-           "PyTorch, bfloat16, CUDA graphs, 1,024-token contexts, one attention kernel for every pass "
-           "(bench/measurements/h100-llama7b-mha-flash.json)",
+           "PyTorch, bfloat16, CUDA graphs, 1,024-token contexts, one attention kernel for every pass, fitted "
+           "with the costs of a pass with drafts (bench/measurements/h100-llama7b-mha-flash.json)",
 )
 
 GPU_H100_7B_CONTEXT = CostProfile(

@@ -119,6 +119,7 @@ class SimulatedEngine:
         self.debt = 0.0  # seconds of prefill still to pay before passes advance
         self.pass_seconds = 0.0
         self.draft_tokens = 0  # sum of k over the batch
+        self.drafting = 0  # members with k > 0 (a profile's costs of speculation beyond the tokens)
         self.rate_sum = 0.0  # sum of tokens per pass over the batch
         self.cap = -1
         self.plan_b = 0  # batch size the members' k were last planned at (the paying rule's bar)
@@ -184,6 +185,7 @@ class SimulatedEngine:
         else:
             self._close_phase(m)
             self.draft_tokens -= m.k
+            self.drafting -= m.k > 0
             self.rate_sum -= m.rate
             context = m.prompt_tokens + pos
             self.ctx -= context
@@ -196,7 +198,7 @@ class SimulatedEngine:
         return m
 
     def _empty(self) -> None:
-        self.job_count, self.debt, self.rate_sum, self.draft_tokens = 0, 0.0, 0.0, 0
+        self.job_count, self.debt, self.rate_sum, self.draft_tokens, self.drafting = 0, 0.0, 0.0, 0, 0
         self.ctx, self.kctx, self.krate = 0.0, 0.0, 0.0
 
     def due(self, now: float) -> list[Member]:
@@ -226,6 +228,7 @@ class SimulatedEngine:
             k = m.k
             if k:  # a phase without drafts has nothing to close
                 self._close_phase(m)
+                self.drafting -= 1
             self.draft_tokens -= k
             self.rate_sum -= m.rate
             pos = m.pos0 + (target - m.p0) * m.rate  # m.position(target), inlined
@@ -275,7 +278,8 @@ class SimulatedEngine:
         self.version += 1
         if not self.members:
             return None
-        self.pass_seconds = self.profile.step_seconds(len(self.members), self.draft_tokens)
+        self.pass_seconds = self.profile.step_seconds(len(self.members), self.draft_tokens,
+                                                      drafted_sequences=self.drafting)
         while self._heap:
             target, _, gen, top = self._heap[0]
             if top.gen == gen:
@@ -298,7 +302,8 @@ class SimulatedEngine:
         half = passes / 2
         self.pass_seconds = self.profile.step_seconds(len(self.members), self.draft_tokens,
                                                       context_tokens=self.ctx + self.rate_sum * half,
-                                                      draft_context_tokens=self.kctx + self.krate * half)
+                                                      draft_context_tokens=self.kctx + self.krate * half,
+                                                      drafted_sequences=self.drafting)
         return self.at + self.debt + passes * self.pass_seconds
 
     # ------------------------------------------------------------- views --
@@ -350,6 +355,8 @@ class SimulatedEngine:
         m.target = target = m.p0 + (left if left > 0.0 else 0.0) / rate  # max(0.0, left), inlined: a hot path
         m.gen += 1
         self.draft_tokens += k
+        if k:
+            self.drafting += 1
         self.rate_sum += rate
         if k and self.context_aware:
             self.kctx += k * (m.prompt_tokens + m.pos0)
@@ -390,6 +397,7 @@ class SimulatedEngine:
             if want != m.k:
                 self._close_phase(m)
                 self.draft_tokens -= m.k
+                self.drafting -= m.k > 0
                 self.rate_sum -= m.rate
                 if m.k and self.context_aware:
                     self.kctx -= m.k * (m.prompt_tokens + pos)
@@ -417,7 +425,8 @@ class SimulatedEngine:
         if not b:
             return 0.0
         tokens = self.rate_sum + len(self._pending)  # the members not started yet are those pending
-        seconds = self.profile.step_seconds(b, self.draft_tokens, context_tokens=self.ctx, draft_context_tokens=self.kctx)
+        seconds = self.profile.step_seconds(b, self.draft_tokens, context_tokens=self.ctx, draft_context_tokens=self.kctx,
+                                            drafted_sequences=self.drafting)
         return self.profile.per_draft_token_seconds * max(tokens, float(b)) / seconds
 
     def _close_phase(self, m: Member) -> None:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from bubblespec.bench.sim.ceiling import _context_floor, _fractional_makespan, best_rate, step_ceiling, work_floor
-from bubblespec.bench.sim.costs import GPU_H100_7B, GPU_H100_7B_CONTEXT
+from bubblespec.bench.sim.costs import GPU_H100_7B, GPU_H100_7B_CONTEXT, GPU_H100_7B_FLASH
 from bubblespec.bench.sim.simulator import SimSettings, simulate
 from bubblespec.bench.sim.workload import AcceptanceModel, LengthModel, Workload
 
@@ -17,7 +17,7 @@ ACCEPT = AcceptanceModel()
 
 @pytest.mark.parametrize("policy,drafting", [("queue", True), ("static", True), ("longest-first", True), ("queue", False)])
 @pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("profile", [GPU_H100_7B, GPU_H100_7B_CONTEXT], ids=lambda p: p.name)
+@pytest.mark.parametrize("profile", [GPU_H100_7B, GPU_H100_7B_CONTEXT, GPU_H100_7B_FLASH], ids=lambda p: p.name)
 def test_no_simulated_step_ends_before_the_bound(policy, drafting, seed, profile):
     workload = Workload(lengths=LengthModel(median_tokens=120, max_tokens=1024))
     r = simulate(policy, 8, 256, 3, profile, drafting, seed, workload=workload, acceptance=ACCEPT,

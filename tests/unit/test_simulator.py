@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from bubblespec.client.types import SchedulingPolicy
 from bubblespec.bench.sim.__main__ import main
-from bubblespec.bench.pass_cost import fit_context_profile, fit_profile
+from bubblespec.bench.pass_cost import fit_context_profile, fit_profile, fit_speculation_profile
 from bubblespec.bench.sim.costs import (
     CPU_TINY,
     GPU_H100_7B,
@@ -89,10 +89,18 @@ def test_the_flash_profile_is_the_one_kernel_measurement_and_its_passes_ran_one_
     report behind gpu-h100-7b ran cuDNN's kernel without drafts and the flash kernel with them."""
     report = json.loads((REPO / "bench" / "measurements" / "h100-llama7b-mha-flash.json").read_text())
     assert report["attention"] == "flash" and report["shape"]["kv_heads"] == 32 and "H100" in report["device"]
-    fit = fit_profile(report)
-    for name in ("base_seconds", "per_seq_seconds", "per_draft_token_seconds", "prefill_per_token_seconds"):
+    fit = fit_speculation_profile(report)
+    for name in ("base_seconds", "per_seq_seconds", "per_draft_token_seconds", "spec_pass_seconds",
+                 "per_drafted_seq_seconds"):
         assert getattr(GPU_H100_7B_FLASH, name) == pytest.approx(fit[name], rel=5e-3), name
-    assert fit["median_rel_error"] < 0.03 and fit["max_rel_error"] < 0.1
+    assert GPU_H100_7B_FLASH.prefill_per_token_seconds == pytest.approx(fit_profile(report)["prefill_per_token_seconds"],
+                                                                        rel=5e-3)
+    assert fit["median_rel_error"] < 0.02 < fit_profile(report)["median_rel_error"] and fit["max_rel_error"] < 0.06
+    for p in report["decode"]:  # it charges every measured pass inside the budget within 6%
+        if p["ctx"] == report["ctx"] and p["batch"] * p["k"] <= 256:
+            seconds = GPU_H100_7B_FLASH.step_seconds(p["batch"], p["batch"] * p["k"],
+                                                     drafted_sequences=p["batch"] if p["k"] else 0)
+            assert seconds == pytest.approx(p["seconds"], rel=0.06), p
     for p in report["decode"]:
         assert any("flash_fwd" in k for k in p["attention_kernels"]), p
         assert not any("cudnn" in k for k in p["attention_kernels"]), p
@@ -171,9 +179,45 @@ def test_a_context_aware_engines_running_sums_match_its_members_at_every_event()
     assert sorted(finished) == ["r0", "r1", "r3", "r4", "r5"] and checks > 20 and drafted > 0
 
 
+def test_an_engine_charges_a_pass_with_drafts_its_fixed_and_per_sequence_costs() -> None:
+    """Under a profile with costs of speculation, the engine's count of drafting members stays
+    the members with k > 0 through drafts running out, re-plans, a removal and members
+    finishing, and every stretch is charged at the pass those members make; a profile without
+    them charges the same members' passes as before."""
+    eng = SimulatedEngine("w", GPU_H100_7B_FLASH, AcceptanceModel())
+    for i in range(6):
+        eng.add(0.0, Member(f"r{i}", length=500 + 400 * i, prompt_tokens=256, draft_len=300.0 + 100 * i,
+                            source="future", alpha=0.6 + 0.05 * i))
+    t, finished, with_drafts, without = eng.commit(0.0), [], 0, 0
+    while t is not None:
+        finished += [m.key for m in eng.due(t)]
+        if t > 1.0 and "r2" in eng.members:
+            eng.remove(t, "r2")
+        t = eng.commit(t)
+        if t is None:
+            break
+        members = list(eng.members.values())
+        drafting = sum(1 for m in members if m.k > 0)
+        assert eng.drafting == drafting
+        expected = GPU_H100_7B_FLASH.step_seconds(len(members), sum(m.k for m in members), drafted_sequences=drafting)
+        assert eng.pass_seconds == pytest.approx(expected, rel=1e-12)
+        plain = GPU_H100_7B_FLASH.step_seconds(len(members), sum(m.k for m in members))
+        if drafting:
+            with_drafts += 1
+            gap = GPU_H100_7B_FLASH.spec_pass_seconds + GPU_H100_7B_FLASH.per_drafted_seq_seconds * drafting
+            assert eng.pass_seconds - plain == pytest.approx(gap)
+        else:
+            without += 1
+            assert eng.pass_seconds == plain
+    assert sorted(finished) == ["r0", "r1", "r3", "r4", "r5"] and with_drafts > 3 and without > 0
+    # the other profiles leave the two terms out, whatever the count
+    assert GPU_H100_7B.step_seconds(8, 32, drafted_sequences=8) == GPU_H100_7B.step_seconds(8, 32)
+
+
 @pytest.mark.parametrize("field", ["base_seconds", "per_seq_seconds", "per_draft_token_seconds",
                                    "prefill_per_token_seconds", "per_context_token_seconds",
-                                   "per_draft_context_token_seconds"])
+                                   "per_draft_context_token_seconds", "spec_pass_seconds",
+                                   "per_drafted_seq_seconds"])
 def test_profile_refuses_negative_constants(field: str) -> None:
     kwargs = {"base_seconds": 0.01, "per_seq_seconds": 0.0, "per_draft_token_seconds": 0.0,
               "prefill_per_token_seconds": 0.0}
