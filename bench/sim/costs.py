@@ -5,7 +5,10 @@
 running sequence (reading its KV cache, sampling), a cost per draft token verified in the same
 forward pass, and a cost per prompt token prefilled in that pass. Decode at the batch sizes of
 RL rollout is memory-bound, so draft tokens cost little until the step turns compute-bound; the
-draft-length rule in :mod:`bubblespec.bench.sim.workload` keeps drafts under that point.
+draft-length rule in :mod:`bubblespec.bench.sim.workload` keeps drafts under that point. A
+profile may also charge what verifying drafts costs beyond the draft tokens: a fixed cost of a
+pass with any draft and a cost per sequence with drafts (``gpu-h100-7b-flash``); the others
+leave both at 0.
 
 Every constant says where it comes from. Measured constants replace placeholders; nothing here
 is a claim about a real engine beyond what its ``source`` says.

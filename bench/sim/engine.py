@@ -3,7 +3,7 @@
 A simulated engine runs the requests assigned to it and its draft jobs, in one batch (the
 core stops the jobs it does not keep beside requests before it assigns one; a stopped job's
 partial draft is kept, as the real worker agent does). Every forward pass over the batch costs
-``CostProfile.step_seconds(batch, draft tokens, prefill)`` and advances every member by
+``CostProfile.step_seconds(batch, draft tokens, prefill, drafting members)`` and advances every member by
 ``1 + E[accepted drafts]`` tokens: drafts only while the member has one (a ``future`` or
 ``history`` draft of its prompt that has not run out), otherwise 1 token.
 
