@@ -362,9 +362,9 @@ def measure(args: argparse.Namespace) -> dict:
         kv_budget = int(free * 0.6)
         device_name = torch.cuda.get_device_name(0)
     report = {"device": device_name, "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
-              "shape": asdict(shape), "attention": args.attention, "params": shape.params(), "weight_bytes": weight_bytes,
-              "ctx": args.ctx,
-              "kv_budget_bytes": kv_budget, "decode": [], "prefill": [], "context": []}
+              "shape": asdict(shape), "attention": args.attention, "params": shape.params(),
+              "weight_bytes": weight_bytes, "ctx": args.ctx, "kv_budget_bytes": kv_budget,
+              "decode": [], "prefill": [], "context": []}
     batches = [int(b) for b in args.batches.split(",")]
     ks = [int(k) for k in args.draft_lengths.split(",")]
 
