@@ -83,10 +83,16 @@ class DraftLength:
     """Seconds one more draft token adds to an engine pass (``bubblespec calibrate``'s
     ``per_draft_token_seconds``). Set (> 0): the paying rule picks the length from it and the
     batch's tokens/s (module docstring). 0: unknown; the ``min_accept_prob`` rule alone."""
+    drafted_request_seconds: float = 0.0
+    """Seconds a pass adds for each request with any draft, beyond its draft tokens
+    (``DraftCostFit.per_drafted_request_seconds``). With the paying rule, a request drafts only
+    where its draft's expected gain pays for that too. 0: not known (charged to nothing)."""
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.draft_token_seconds) and self.draft_token_seconds >= 0):
-            raise ValueError(f"draft_token_seconds: must be a finite number >= 0, got {self.draft_token_seconds!r}")
+        for name in ("draft_token_seconds", "drafted_request_seconds"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
 
     def batch_cap(self, batch_size: int) -> int:
         return max(0, min(self.max_tokens, self.token_budget // max(1, batch_size)))
@@ -111,7 +117,7 @@ class DraftLength:
         collapsed still probes (one token every ``probe_every`` steps) so that its average can
         recover, unless the batch is so compute-bound that not even a surely accepted token
         would pay (cost x tokens/s >= 1): then it drafts nothing."""
-        k = paying_draft_tokens(accept, cap, self.draft_token_seconds, tokens_per_second)
+        k = paying_draft_tokens(accept, cap, self.draft_token_seconds, tokens_per_second, self.drafted_request_seconds)
         if k > 0 or accept >= self.min_accept_prob or self.draft_token_seconds * tokens_per_second >= 1:
             return k
         return 1 if steps % self.probe_every == 0 else 0
@@ -160,16 +166,21 @@ class DraftCostFit:
     and pass the figure by hand, the proposer fits it as the engine runs. Each clean pass (no
     request joined, so no prefill in it; every row sampled) gives its seconds ``y`` (timed from
     the runner's ``execute_model``: the engine's work between passes is left out), its rows
-    ``n`` and the draft tokens it verified ``d``, and
+    ``n``, the rows that had a draft ``m`` and the draft tokens it verified ``d``, and
 
-        y = base + per_row x n + spec x [d > 0] + per_draft_token x d
+        y = base + per_row x n + spec x [d > 0] + per_drafted_row x m + per_draft_token x d
 
     is fitted by least squares with exponential forgetting (the newest pass weighs 1, one
     ``1 / (1 - forget)`` passes back 1/e), so the figure follows the engine as it warms up or
     its load changes. ``spec`` is what a pass pays for verifying any draft at all (the
     rejection sampler's set-up, the drafts' metadata): measured apart, it is not charged to the
     tokens (on vLLM's CPU engine here it was worth tens of draft tokens, so a linear fit without
-    it read 3-40x the marginal cost and turned drafting off where it paid).
+    it read 3-40x the marginal cost and turned drafting off where it paid). ``per_drafted_row``
+    is what each drafted request adds beyond its tokens (on an H100, one attention kernel
+    throughout, 13-28 us a sequence against 15.5 us a draft token: docs/SIMULATOR.md). It can be
+    told from the tokens' term only where drafted rows draft different lengths; where the data
+    cannot tell them apart (its estimate not sure to ``max_rel_error``, or not above zero), the
+    fit without it decides, as before the term existed, and ``per_drafted_request_seconds`` is 0.
 
     ``seconds_per_draft_token`` is 0 (unknown: the acceptance rule decides) until the fit has
     seen ``min_steps`` clean passes, ``min_drafted`` of them with drafts (weighed as the fit
@@ -183,6 +194,11 @@ class DraftCostFit:
     far off the fit (a garbage collection, the OS taking the core) enters clipped to 4 residual
     deviations, so one stall cannot move the figure."""
 
+    TERMS = 5
+    """base, per row, spec (any draft), per drafted row, per draft token: the columns of the fit."""
+    WITHOUT_DRAFTED_ROWS = (0, 1, 2, 4)
+    """The fit before the per-drafted-row term, used where the data cannot tell that term apart."""
+
     def __init__(self, forget: float = 0.995, min_steps: int = 64, min_drafted: float = 16.0,
                  max_rel_error: float = 0.25, refit_every: int = 16, expire_steps: int = 2048):
         if not 0 < forget < 1:
@@ -191,28 +207,34 @@ class DraftCostFit:
         self.max_rel_error, self.refit_every, self.expire_steps = max_rel_error, refit_every, expire_steps
         self.steps = 0
         """Clean passes observed."""
-        self._xx = np.zeros((4, 4))
-        self._xy = np.zeros(4)
+        self._xx = np.zeros((self.TERMS, self.TERMS))
+        self._xy = np.zeros(self.TERMS)
         self._yy = 0.0
         self._w = 0.0  # the weights' sum (effective sample size)
         self._drafted = 0.0  # the weights' sum over passes with drafts
         self._since_drafted = 0  # clean passes that held drafts back since the last one with drafts
-        self._coef: np.ndarray | None = None  # the last fit (base, per row, spec, per draft token)
+        self._coef: np.ndarray | None = None  # the last fit, all five terms (per drafted row 0 where not told apart)
         self._sigma = 0.0  # its residual standard deviation
         self.seconds_per_draft_token = 0.0
         """The last sure estimate; 0: none."""
+        self.per_drafted_request_seconds = 0.0
+        """The last fit's cost of each request with a draft beyond its tokens, where sure; 0: not told apart."""
 
     @property
     def spec_seconds(self) -> float:
         """The last fit's fixed cost of a pass with drafts (0: no fit yet)."""
         return float(self._coef[2]) if self._coef is not None else 0.0
 
-    def observe(self, rows: int, drafts: int, seconds: float, held_back: bool = True) -> None:
-        """One clean pass: ``rows`` in the batch, ``drafts`` verified, ``seconds`` taken;
-        ``held_back``: whether the proposal before it kept drafts back that a candidate offered."""
+    def observe(self, rows: int, drafts: int, seconds: float, held_back: bool = True,
+                drafted_rows: int | None = None) -> None:
+        """One clean pass: ``rows`` in the batch, ``drafts`` verified over ``drafted_rows`` of
+        them (None: one row, where any), ``seconds`` taken; ``held_back``: whether the proposal
+        before it kept drafts back that a candidate offered."""
         if rows <= 0 or not (math.isfinite(seconds) and seconds > 0):
             return
-        x = np.array([1.0, float(rows), float(drafts > 0), float(drafts)])
+        if drafted_rows is None:
+            drafted_rows = 1 if drafts > 0 else 0
+        x = np.array([1.0, float(rows), float(drafts > 0), float(drafted_rows), float(drafts)])
         if self._coef is not None and self._sigma > 0:  # clip a stall to 4 residual deviations
             fit = float(x @ self._coef)
             seconds = min(max(seconds, fit - 4 * self._sigma), fit + 4 * self._sigma)
@@ -232,24 +254,48 @@ class DraftCostFit:
         elif self.steps >= self.min_steps and self.steps % self.refit_every == 0 and self._drafted >= self.min_drafted:
             self._refit()
 
-    def _refit(self) -> None:
-        xx = self._xx.copy()
+    def _solve(self, terms: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, float] | None:
+        """Least squares on the columns ``terms``: (coefficients, their inverse normal matrix,
+        residual variance), or None where it cannot be solved."""
+        idx = np.array(terms)
+        xx, xy = self._xx[np.ix_(idx, idx)], self._xy[idx]
+        ridged = xx.copy()
         # a batch of one size throughout (an engine kept full) makes the rows' term the base's
-        # twin, and drafts of one length the spec term's: a whisper of ridge on those two keeps
-        # the system solvable and leaves the draft token's term to the evidence
-        for i in (1, 2):
-            xx[i, i] += 1e-9 * xx[i, i] + 1e-12
+        # twin, drafts of one length the spec term's, one drafted row a pass the spec term's
+        # too: a whisper of ridge on those keeps the system solvable and leaves the draft
+        # token's term to the evidence
+        for i, term in enumerate(terms):
+            if term in (1, 2, 3):
+                ridged[i, i] += 1e-9 * ridged[i, i] + 1e-12
         try:
-            inv = np.linalg.inv(xx)
+            inv = np.linalg.inv(ridged)
         except np.linalg.LinAlgError:
+            return None
+        coef = inv @ xy
+        if not np.all(np.isfinite(coef)) or self._w <= len(terms):
+            return None
+        rss = max(0.0, self._yy - 2 * float(coef @ xy) + float(coef @ xx @ coef))
+        return coef, inv, rss / (self._w - len(terms))
+
+    def _refit(self) -> None:
+        full = self._solve(tuple(range(self.TERMS)))
+        if full is None:
             return
-        coef = inv @ self._xy
-        if not np.all(np.isfinite(coef)) or self._w <= 4:
-            return
-        rss = max(0.0, self._yy - 2 * float(coef @ self._xy) + float(coef @ self._xx @ coef))
-        var = rss / (self._w - 4)
+        coef, inv, var = full
+        r, r_se = float(coef[3]), math.sqrt(max(0.0, var * float(inv[3, 3])))
+        if not (r > 0 and r_se <= self.max_rel_error * r):  # not told apart: the fit without it
+            reduced = self._solve(self.WITHOUT_DRAFTED_ROWS)
+            if reduced is None:
+                return
+            small, small_inv, var = reduced
+            coef = np.zeros(self.TERMS)
+            coef[list(self.WITHOUT_DRAFTED_ROWS)] = small
+            inv = np.zeros((self.TERMS, self.TERMS))
+            inv[np.ix_(self.WITHOUT_DRAFTED_ROWS, self.WITHOUT_DRAFTED_ROWS)] = small_inv
+            r = 0.0
         self._coef, self._sigma = coef, math.sqrt(var)
-        c, se = float(coef[3]), math.sqrt(max(0.0, var * float(inv[3, 3])))
+        self.per_drafted_request_seconds = r
+        c, se = float(coef[4]), math.sqrt(max(0.0, var * float(inv[4, 4])))
         if c > 0 and se <= self.max_rel_error * c:
             self.seconds_per_draft_token = c
         elif c + 2 * se <= 0:  # sure that a draft token costs nothing the clock can see

@@ -118,6 +118,7 @@ class BubbleSpecProposer:
         self.rate = StepRate()  # the batch's tokens/s, for the paying rule
         self.drafted = 0.0  # draft tokens per step, averaged as the rate's seconds are (the pass without them)
         self._proposed = 0  # draft tokens proposed at the previous step (verified in this one)
+        self._proposed_rows = 0  # rows with a draft in that proposal
         self._held_back = False  # whether that proposal held drafts back (cost rule or the pass's veto)
         self.clock = time.perf_counter
         self._rows: set[str] = set()  # request ids of the previous step's batch
@@ -198,6 +199,8 @@ class BubbleSpecProposer:
         for i, d, generated in live:
             drafts[i] = d.propose(generated, cap, tps, lengths.get(i))
         self._held_back = any(d.held_back for _, d, _ in live)
+        if self._withdraw_rows_that_do_not_pay(live, drafts, tps, lengths):
+            self._held_back = True
         if self._drafts_do_not_pay_for_the_pass(live, drafts, tps):
             drafts = [[] for _ in sampled_token_ids]
             for _, d, _ in live:
@@ -206,24 +209,46 @@ class BubbleSpecProposer:
         for rid in [r for r in self.drafters if r not in rows]:
             self._retire(rid)
         self._proposed = sum(map(len, drafts))
+        self._proposed_rows = sum(1 for d in drafts if d)
         return drafts
+
+    def _net_gain(self, d: RequestDrafter, k: int, tps: float) -> float:
+        """Expected tokens ``k`` draft tokens of ``d`` gain a pass, less what they cost in the
+        batch's tokens (the draft tokens' and the drafted row's measured costs x tokens/s)."""
+        a = d.last_accept
+        c, r = self.rule.draft_token_seconds, self.rule.drafted_request_seconds
+        return sum(a ** j for j in range(1, k + 1)) - (c * k + r) * tps
+
+    def _withdraw_rows_that_do_not_pay(self, live: list[tuple[int, RequestDrafter, np.ndarray]],
+                                       drafts: list[list[int]], tps: float, planned: dict[int, int]) -> bool:
+        """Drop the drafts of each row whose draft, as proposed (a candidate may offer fewer
+        tokens than the rule asked for), is expected to gain less than it costs, the row's own
+        cost (``DraftCostFit.per_drafted_request_seconds``) included. Only with both costs
+        measured; rows of the makespan plan (``planned``) keep theirs: that plan weighs the
+        step's end, not the batch's rate. Whether any was dropped."""
+        if self.rule.drafted_request_seconds <= 0 or self.rule.draft_token_seconds <= 0 or tps <= 0:
+            return False
+        dropped = False
+        for i, d, _ in live:
+            if drafts[i] and i not in planned and self._net_gain(d, len(drafts[i]), tps) <= 0:
+                drafts[i] = []
+                d.withdraw()
+                dropped = True
+        return dropped
 
     def _drafts_do_not_pay_for_the_pass(self, live: list[tuple[int, RequestDrafter, np.ndarray]],
                                         drafts: list[list[int]], tps: float) -> bool:
         """Whether this pass's drafts together are expected to gain fewer tokens than a pass
         with any draft costs over one without (the measured fixed cost, ``DraftCostFit.
         spec_seconds``, in the tokens the batch makes in that time). Each token already pays
-        for itself under the paying rule; this is the part no single token can. Only with the
-        cost measured (a figure set by hand carries no fixed part)."""
+        for itself under the paying rule, and each row for itself where its cost is measured
+        (``_net_gain``); this is the part no single row can. Only with the cost measured (a
+        figure set by hand carries no fixed part)."""
         spec = self.cost_fit.spec_seconds if self.cost_fit is not None else 0.0
         c = self.rule.draft_token_seconds
         if spec <= 0 or c <= 0 or tps <= 0 or not any(drafts):
             return False
-        gain = 0.0
-        for i, d, _ in live:
-            if drafts[i]:
-                a = d.last_accept
-                gain += sum(a ** j for j in range(1, len(drafts[i]) + 1)) - c * tps * len(drafts[i])
+        gain = sum(self._net_gain(d, len(drafts[i]), tps) for i, d, _ in live if drafts[i])
         return gain < spec * tps
 
     def _makespan_lengths(self, live: list[tuple[int, RequestDrafter, np.ndarray]]) -> dict[int, int]:
@@ -265,25 +290,29 @@ class BubbleSpecProposer:
             self.drafted += self.rate.ema * (self._proposed - self.drafted)
         started, self._pass_started = self._pass_started, None
         if self.cost_fit is not None and clean and started is not None and now > started:
-            self.cost_fit.observe(len(rows), self._proposed, now - started, self._held_back)
-            if self.cost_fit.seconds_per_draft_token != self.rule.draft_token_seconds:
-                self._set_draft_token_seconds(self.cost_fit.seconds_per_draft_token)
+            self.cost_fit.observe(len(rows), self._proposed, now - started, self._held_back, self._proposed_rows)
+            if (self.cost_fit.seconds_per_draft_token != self.rule.draft_token_seconds
+                    or self.cost_fit.per_drafted_request_seconds != self.rule.drafted_request_seconds):
+                self._set_draft_token_seconds(self.cost_fit.seconds_per_draft_token,
+                                              self.cost_fit.per_drafted_request_seconds)
         return self.rate.tokens_per_second() if self.rule.draft_token_seconds > 0 else 0.0
 
-    def _set_draft_token_seconds(self, seconds: float) -> None:
-        """The measured cost, for this rule and every live request's (they share it)."""
+    def _set_draft_token_seconds(self, seconds: float, per_drafted_request: float = 0.0) -> None:
+        """The measured costs, for this rule and every live request's (they share it)."""
         if seconds > 0 and (self.rule.draft_token_seconds <= 0 or abs(seconds / self.rule.draft_token_seconds - 1) > 0.25):
-            logger.info("draft length by cost: measured %.3g s per draft token over %d passes",
-                        seconds, self.cost_fit.steps if self.cost_fit is not None else 0)
-        self.rule = replace(self.rule, draft_token_seconds=seconds)
+            logger.info("draft length by cost: measured %.3g s per draft token (%.3g s per drafted request) over %d passes",
+                        seconds, per_drafted_request, self.cost_fit.steps if self.cost_fit is not None else 0)
+        self.rule = replace(self.rule, draft_token_seconds=seconds, drafted_request_seconds=per_drafted_request)
         for d in self.drafters.values():
             d.rule = self.rule
 
     def draft_cost(self) -> dict:
         """What the paying rule works with now: the draft token's cost in seconds (0: unknown,
-        the acceptance rule decides), whether it was ``measured`` or ``set``, and the clean
-        steps the measurement has seen."""
+        the acceptance rule decides), what each drafted request adds beyond its tokens (0: not
+        told apart), whether they were ``measured`` or ``set``, and the clean steps the
+        measurement has seen."""
         return {"draft_token_seconds": self.rule.draft_token_seconds,
+                "drafted_request_seconds": self.rule.drafted_request_seconds,
                 "source": "measured" if self.cost_fit is not None else ("set" if self.rule.draft_token_seconds > 0 else "none"),
                 "steps": self.cost_fit.steps if self.cost_fit is not None else 0}
 

@@ -111,6 +111,10 @@ class SimulatedEngine:
         self.profile = profile
         self.acceptance = acceptance
         self._paying = acceptance.paying  # ``draft_tokens``'s dispatch, resolved once (see ``_rule``)
+        # a drafted member's own cost (``per_drafted_seq_seconds``) as a share of a draft token's:
+        # the paying rule's bar for a member's whole draft is the token's bar times this
+        per_token = profile.per_draft_token_seconds
+        self._row_ratio = profile.per_drafted_seq_seconds / per_token if per_token > 0 else 0.0
         self._caps = _cap_table(acceptance)
         self.members: dict[str, Member] = {}
         self.job_count = 0  # draft jobs in the batch
@@ -367,12 +371,13 @@ class SimulatedEngine:
         """The batch size crossed a draft-cap threshold: re-plan members whose k changes."""
         threshold, passes = self.threshold, self.passes  # fixed here
         rule = self._rule
-        # The paying rule, ``paying_draft_tokens(alpha, cap, threshold, 1.0)``, for the usual case
+        # The paying rule, ``paying_draft_tokens(alpha, cap, threshold, 1.0, row_bar)``, for the usual case
         # (0 < threshold < 1, cap > 0, 0 < alpha < 1) with log(threshold) taken once per re-plan
         # instead of once per member: the same operations on the same values, so the same k
         # (tests/unit/test_sim_engine_speed.py compares it with the rule); any other case calls it.
         fast = self._paying and 0.0 < threshold < 1.0 and cap > 0
         log_t = math.log(threshold) if fast else 0.0
+        row_bar = threshold * self._row_ratio
         log, floor = math.log, math.floor
         for m in self.members.values():
             if not m.started:
@@ -390,6 +395,8 @@ class SimulatedEngine:
                     else:
                         want = floor(log_t / log(alpha) - 1e-9)
                         want = 0 if want < 0 else cap if want > cap else want  # max(0, min(cap, want))
+                        if want and row_bar and alpha * (1 - alpha**want) / (1 - alpha) - want * threshold <= row_bar:
+                            want = 0  # the member's draft does not pay for its own cost
                 else:
                     want = rule(alpha, cap, threshold)
             else:
@@ -415,7 +422,7 @@ class SimulatedEngine:
     def _rule(self, alpha: float, cap: int, threshold: float) -> int:
         """``AcceptanceModel.draft_tokens(alpha, cap, threshold)``, its ``paying`` dispatch resolved once."""
         if self._paying:
-            return paying_draft_tokens(alpha, cap, threshold, 1.0)
+            return paying_draft_tokens(alpha, cap, threshold, 1.0, threshold * self._row_ratio)
         return self.acceptance.draft_tokens(alpha, cap, threshold)
 
     def _threshold(self) -> float:

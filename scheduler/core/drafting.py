@@ -29,7 +29,8 @@ caps ``sampling.seed`` at 2**62, sample i adds i), so no draft ever shares a req
 and with it the random stream that verifies the draft (docs/EXACTNESS.md)."""
 
 
-def paying_draft_tokens(accept: float, most: int, per_draft_token_seconds: float, tokens_per_second: float) -> int:
+def paying_draft_tokens(accept: float, most: int, per_draft_token_seconds: float, tokens_per_second: float,
+                        per_drafted_request_seconds: float = 0.0) -> int:
     """Draft tokens worth proposing for one request of a batch (0: drafting off for it).
 
     A pass over the batch makes ``N`` tokens in ``T`` seconds (``tokens_per_second`` = N / T).
@@ -41,18 +42,29 @@ def paying_draft_tokens(accept: float, most: int, per_draft_token_seconds: float
     draft token) the threshold is tiny and deep drafts pay; in a large, busy batch where a draft
     token costs as much as it is expected to save, it proposes 0 and the batch decodes as if it
     did not speculate. Pure: a worker calls it with its measured cost per draft token
-    (``bubblespec calibrate``) and its current tokens/s; the simulator's engines do the same."""
+    (``bubblespec calibrate``) and its current tokens/s; the simulator's engines do the same.
+
+    ``per_drafted_request_seconds``: what a pass adds for each request that has any draft,
+    beyond its tokens (on an H100, 13-28 us a sequence: docs/SIMULATOR.md). No single token pays
+    for it, so the request's drafts together must: the ``k`` above is the length with the most
+    net gain (``sum(accept**j) - k * threshold``; each term falls with ``j``), and where even that
+    gain is not above ``per_drafted_request_seconds * tokens_per_second`` no length pays: 0."""
     if most <= 0 or accept <= 0:
         return 0
     threshold = per_draft_token_seconds * tokens_per_second
     if threshold <= 0:
         return most
     if accept >= 1:
-        return most if threshold < 1 else 0
-    if accept <= threshold:
+        k = most if threshold < 1 else 0
+    elif accept <= threshold:
         return 0
-    k = math.floor(math.log(threshold) / math.log(accept) - 1e-9)  # accept**k > threshold
-    return max(0, min(most, k))
+    else:
+        k = max(0, min(most, math.floor(math.log(threshold) / math.log(accept) - 1e-9)))  # accept**k > threshold
+    if k and per_drafted_request_seconds > 0:
+        gained = float(k) if accept >= 1 else accept * (1 - accept**k) / (1 - accept)
+        if gained - k * threshold <= per_drafted_request_seconds * tokens_per_second:
+            return 0
+    return k
 
 
 def draft_seed(rng: random.Random) -> int:

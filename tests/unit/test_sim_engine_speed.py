@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import pytest
 
-from bubblespec.bench.sim.costs import GPU_H100_7B
+from bubblespec.bench.sim.costs import GPU_H100_7B, GPU_H100_7B_FLASH
 from bubblespec.bench.sim.engine import Member, SimulatedEngine, _cap_table
 from bubblespec.bench.sim.simulator import _frozen
 from bubblespec.bench.sim.workload import AcceptanceModel
@@ -42,6 +42,24 @@ def test_replanning_takes_the_paying_rules_draft_length(threshold, cap):
     e.threshold = threshold
     e._rerate(cap)
     assert [m.k for m in members] == [paying_draft_tokens(a, cap, threshold, 1.0) for a in ALPHAS]
+
+
+@pytest.mark.parametrize("threshold", [1e-6, 0.01, 0.05, 0.1, 0.3, 0.5])
+def test_replanning_charges_a_drafted_members_own_cost_as_the_rule_does(threshold):
+    # gpu-h100-7b-flash: a drafted sequence costs 28.2 us beside 15.5 us a draft token (1.8 tokens' bar)
+    e = SimulatedEngine("w", GPU_H100_7B_FLASH, AcceptanceModel())
+    members = [Member(f"r{i}", 100_000, draft_len=100_000.0, source="future", alpha=a) for i, a in enumerate(ALPHAS)]
+    for m in members:
+        e.add(0.0, m)
+    e.commit(0.0)
+    e.threshold = threshold
+    e._rerate(8)
+    row_bar = threshold * GPU_H100_7B_FLASH.per_drafted_seq_seconds / GPU_H100_7B_FLASH.per_draft_token_seconds
+    want = [paying_draft_tokens(a, 8, threshold, 1.0, row_bar) for a in ALPHAS]
+    assert [m.k for m in members] == want
+    assert e.drafting == sum(1 for k in want if k) and e.draft_tokens == sum(want)
+    # the rows' cost turned some members off that the tokens' bar alone would draft
+    assert any(k == 0 < paying_draft_tokens(a, 8, threshold, 1.0) for a, k in zip(ALPHAS, want)) == (threshold >= 0.3)
 
 
 @pytest.mark.parametrize("threshold", [0.0, -1.0, 1.0, 2.0, float("inf")])

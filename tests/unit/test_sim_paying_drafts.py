@@ -66,3 +66,44 @@ def test_a_drafting_arm_is_not_slower_than_its_twin_where_verifying_is_expensive
     assert plain[0] < first <= plain[0] * 1.08
     # the scenario discriminates: the fixed rule (min_accept_prob alone) drafts there and loses
     assert sum(makespans(True, AcceptanceModel(max_draft_tokens=8, paying=False), first_step=False)) > sum(plain) * 1.05
+
+
+def test_a_request_drafts_only_where_its_whole_draft_pays_for_its_own_cost_too() -> None:
+    # bar 0.1 a token (1e-4 s x 1,000 tokens/s): 0.5 drafts 3 (0.5**3 > 0.1 > 0.5**4), and
+    # gains 0.875 - 0.3 = 0.575 tokens net: a row's cost up to 0.575 tokens (5.75e-4 s) is paid
+    assert paying_draft_tokens(0.5, 8, 1e-4, 1000.0, 5.7e-4) == 3
+    assert paying_draft_tokens(0.5, 8, 1e-4, 1000.0, 5.8e-4) == 0
+    # a sure draft: k tokens gain k(1 - bar) net
+    assert paying_draft_tokens(1.0, 4, 1e-4, 1000.0, 3.5e-3) == 4
+    assert paying_draft_tokens(1.0, 4, 1e-4, 1000.0, 3.7e-3) == 0
+    # no row cost: the tokens' rule alone, whatever the acceptance and bar
+    for accept in (0.05, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0):
+        for rate in (10.0, 300.0, 1000.0, 5000.0):
+            assert paying_draft_tokens(accept, 8, 1e-4, rate, 0.0) == paying_draft_tokens(accept, 8, 1e-4, rate)
+
+
+# cheap draft tokens, dear drafted sequences: each drafted member costs a pass's worth (2 ms)
+ROW_BOUND = CostProfile("row-bound", base_seconds=2e-3, per_seq_seconds=1e-4, per_draft_token_seconds=1e-5,
+                        prefill_per_token_seconds=0.0, spec_pass_seconds=0.0, per_drafted_seq_seconds=2e-3)
+
+
+def test_a_drafting_arm_is_not_slower_than_its_twin_where_each_drafted_sequence_is_expensive(monkeypatch) -> None:
+    workload = Workload(lengths=LengthModel(median_tokens=150, max_tokens=1024))
+
+    def makespans(drafting: bool) -> list[float]:
+        settings = SimSettings(capacity=32, samples=4, core=CoreSettings(draft_beside_first_step=False))
+        r = simulate("queue", 2, 256, 2, ROW_BOUND, drafting, 0, workload=workload, settings=settings,
+                     acceptance=AcceptanceModel())
+        return [s.summary.makespan_seconds for s in r.steps]
+
+    plain = makespans(False)
+    assert sum(makespans(True)) <= sum(plain) * 1.001
+    # the scenario discriminates: a rule blind to the sequence's own cost drafts there and loses
+    init = SimulatedEngine.__init__
+
+    def blind(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self._row_ratio = 0.0
+
+    monkeypatch.setattr(SimulatedEngine, "__init__", blind)
+    assert sum(makespans(True)) > sum(plain) * 1.05

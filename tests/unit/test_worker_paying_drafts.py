@@ -81,6 +81,16 @@ def test_a_bad_draft_token_cost_is_refused_naming_the_field(bad: float) -> None:
         DraftLength(draft_token_seconds=bad)
     with pytest.raises(ValueError, match="draft_token_seconds"):
         EngineSettings(draft_token_seconds=bad)
+    with pytest.raises(ValueError, match="drafted_request_seconds"):
+        DraftLength(drafted_request_seconds=bad)
+
+
+def test_the_rules_length_pays_for_the_drafted_request_too() -> None:
+    # 1,000 tokens/s, 1e-4 s a draft token (bar 0.1): acceptance 0.5 drafts 3 and nets 0.575 tokens
+    free, costly = DraftLength(draft_token_seconds=1e-4), DraftLength(draft_token_seconds=1e-4, drafted_request_seconds=6e-4)
+    assert free.for_request(0.5, 1, 8, tokens_per_second=1000.0) == 3
+    assert costly.for_request(0.5, 1, 8, tokens_per_second=1000.0) == 0  # 0.6 tokens of the batch's time
+    assert costly.for_request(0.9, 1, 8, tokens_per_second=1000.0) == 8  # nets 4.9 tokens
 
 
 # --- the measured rate ---------------------------------------------------------------------------
