@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from bubblespec.bench.machine import reference_ms
 from bubblespec.client import AsyncRolloutClient, SamplingParams, SchedulingPolicy, StepResult
 from bubblespec.scheduler.core.state import CoreSettings
 
@@ -243,6 +244,7 @@ async def run_bench(cluster, prompts: list[list], base_model: str, cfg: BenchCon
     from bubblespec.bench.tiny_model import perturb_weights
 
     rows, outputs = [], {}
+    reference = reference_ms()  # the engines up and idle, no arm running yet
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bubblespec-bench-") as tmp:
         weights, current = [], base_model
@@ -267,6 +269,7 @@ async def run_bench(cluster, prompts: list[list], base_model: str, cfg: BenchCon
     exact = {arm.name: all(outputs[run, arm.name] == outputs[0, "baseline"] for run in range(cfg.runs)) for arm in ARMS}
     per_run = [summarize([r for r in rows if r["run"] == run + 1], exact) for run in range(cfg.runs)]
     return {"config": cfg.__dict__, "workers": len(cluster.agents), "seconds": time.monotonic() - started,
+            "reference_ms": reference,
             "steps": rows, "runs": per_run, "summary": combine_runs(per_run),
             "draft_cost": [await e.draft_cost() for e in cluster.engines if hasattr(e, "draft_cost")]}
 
@@ -350,7 +353,8 @@ def _tell_results(say, report: dict, cfg: BenchConfig) -> None:
         say(line)
     say(f"{report['workers']} workers, {cfg.steps} steps x {cfg.prompts} prompts x {cfg.samples} samples, "
         f"{cfg.train_seconds:g}s trainer gap, lookahead {cfg.lookahead_steps} steps, weight updates "
-        f"{cfg.update_scale:g} RMS; the arms took {report['seconds']:.0f}s")
+        f"{cfg.update_scale:g} RMS; the arms took {report['seconds']:.0f}s; machine reference "
+        f"{report['reference_ms']:.0f} ms (bench/machine.py: lower is faster)")
     if report.get("draft_cost"):
         say(draft_cost_line(report["draft_cost"]))
     say()

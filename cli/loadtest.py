@@ -54,6 +54,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from bubblespec.bench.machine import reference_ms
 from bubblespec.cli.loadtest_settings import LoadSettings
 
 __all__ = ["LoadSettings", "add_parser", "loadtest", "memory_verdict", "percentile", "run_loadtest"]
@@ -465,6 +466,7 @@ async def run_loadtest(settings: LoadSettings, on_step=None) -> LoadResult:
     """Run the load test; ``on_step(record)`` is called as each step ends."""
     from bubblespec.client import AsyncRolloutClient
 
+    reference = reference_ms()  # before anything of the test runs: the machine as the test finds it
     h = _Harness(settings)
     result = LoadResult(asdict(settings), "")
     sampler: _Sampler | None = None
@@ -485,6 +487,7 @@ async def run_loadtest(settings: LoadSettings, on_step=None) -> LoadResult:
                 if on_step is not None:
                     on_step(record)
             result.summary = await _summarize(h, result.steps, time.monotonic() - started)
+            result.summary["reference_ms"] = reference
     finally:
         if sampler is not None:
             await sampler.stop()
@@ -596,7 +599,8 @@ def summary_text(result: LoadResult) -> str:
          f"unexpected (scheduler's bubblespec_completions_total: {s['metrics_completions_total']:.0f})"),
         (f"throughput: {s['completions_per_second']:.1f} completions/s through the scheduler "
          f"({s['generate_seconds']:.1f} s of Generate, {s['total_seconds']:.1f} s with policy updates); "
-         f"scheduler CPU {s['scheduler_cpu_ms_per_completion']:.2f} ms per completion"),
+         f"scheduler CPU {s['scheduler_cpu_ms_per_completion']:.2f} ms per completion; machine reference "
+         f"{s['reference_ms']:.0f} ms (bench/machine.py: lower is faster)"),
         (f"dispatch latency over all {s['dispatch_n']} requests: p50 {s['dispatch_p50_ms']:.2f} ms, "
          f"p99 {s['dispatch_p99_ms']:.2f} ms (first wave, {s['first_wave_n']}: p50 {s['first_wave_p50_ms']:.2f} / "
          f"p99 {s['first_wave_p99_ms']:.2f} ms; refills, {s['refill_n']}: p50 {s['refill_p50_ms']:.2f} / "

@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
+from bubblespec.bench.machine import reference_ms
 from bubblespec.bench.sim.attribution import format_tail
 from bubblespec.bench.sim.costs import PROFILES
 from bubblespec.bench.sim.simulator import SimResult, SimSettings, simulate
@@ -199,8 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                              move_long_requests=args.move_long_requests,
                                              min_tokens_to_move=args.min_tokens_to_move))
     print(f"profile {profile.name} ({profile.source}); requests/step {args.requests}, {args.samples} samples/prompt, "
-          f"capacity {args.capacity}, {args.steps} steps, seeds {args.seed}..{args.seed + max(1, args.seeds) - 1}",
-          flush=True)
+          f"capacity {args.capacity}, {args.steps} steps, seeds {args.seed}..{args.seed + max(1, args.seeds) - 1}; "
+          f"machine reference {reference_ms():.0f} ms (bench/machine.py: lower is faster)", flush=True)
     rows = []
     tails: list[str] = []
     started = time.perf_counter()

@@ -13,6 +13,7 @@ from bubblespec.cli.loadtest import (
     memory_verdict,
     percentile,
     run_loadtest,
+    summary_text,
 )
 from bubblespec.client.types import FinishReason, SamplingParams
 from bubblespec.worker.engine import EngineRequest
@@ -128,6 +129,7 @@ async def test_small_loadtest_delivers_every_completion_once():
     assert s["completions"] == s["metrics_completions_total"] == 3 * per_step
     assert s["duplicates"] == s["missing"] == 0 and s["completions_per_second"] > 0
     assert s["worker_store"]["ops"] > 0 and s["redis"]["keys"] > 0
+    assert s["reference_ms"] > 0 and f"machine reference {s['reference_ms']:.0f} ms" in summary_text(result)
 
 
 @pytest.mark.timeout(120)

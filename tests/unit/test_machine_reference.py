@@ -1,0 +1,41 @@
+"""The machine reference (``bench/machine.py``): the CPU time of a fixed workload, printed beside
+the control plane's and the simulator's absolute figures so that runs of different days compare."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from bubblespec.bench import machine
+
+
+def test_the_reference_is_the_median_of_its_repeats_in_cpu_time(monkeypatch) -> None:
+    ticks = iter([0.0, 0.010, 1.0, 1.030, 2.0, 2.020])  # three runs: 10, 30 and 20 ms of CPU
+    monkeypatch.setattr(machine.time, "thread_time", lambda: next(ticks))
+    assert machine.reference_ms(3) == pytest.approx(20.0)
+
+
+def test_the_reference_counts_this_threads_cpu_not_the_clock() -> None:
+    # another thread busy beside it takes the GIL half the time: the wall clock doubles, the
+    # reference's CPU time does not (within what a shared machine allows)
+    alone = machine.reference_ms(3)
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            sum(range(1000))
+
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        beside = machine.reference_ms(3)
+    finally:
+        stop.set()
+        t.join()
+    assert 0 < alone and 0 < beside < 1.6 * alone
+
+
+def test_a_bad_repeat_count_is_refused_naming_it() -> None:
+    with pytest.raises(ValueError, match="repeats"):
+        machine.reference_ms(0)
