@@ -280,7 +280,9 @@ def draft_cost_line(costs: list[dict]) -> str:
         if not c.get("draft_token_seconds"):
             return f"none yet ({c.get('source', 'no proposer')}: by acceptance)"
         over = f" over {c['steps']} passes" if c["source"] == "measured" else ""
-        return f"{c['draft_token_seconds']:.2g} s {c['source']}{over}"
+        row = c.get("drafted_request_seconds") or 0.0
+        row = f" (+{row:.2g} s a drafted request)" if row > 0 else ""
+        return f"{c['draft_token_seconds']:.2g} s{row} {c['source']}{over}"
 
     return "A draft token's cost, per engine: " + "; ".join(one(c) for c in costs)
 

@@ -410,8 +410,9 @@ class VllmEngine:
 
     async def draft_cost(self) -> dict:
         """What the proposer's paying rule works with now (``BubbleSpecProposer.draft_cost``):
-        ``draft_token_seconds`` (0: unknown), its ``source`` (``set``, ``measured``, ``none``) and
-        the clean steps measured; empty without a proposer."""
+        ``draft_token_seconds`` (0: unknown), ``drafted_request_seconds`` (0: not told apart),
+        their ``source`` (``set``, ``measured``, ``none``) and the clean steps measured; empty
+        without a proposer."""
         assert self._llm is not None, "engine not started"
         if not self.info.speculation:
             return {}

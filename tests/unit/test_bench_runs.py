@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bubblespec.cli.bench import BenchConfig, combine_runs, summarize, table_lines
+from bubblespec.cli.bench import BenchConfig, combine_runs, draft_cost_line, summarize, table_lines
 from bubblespec.cli.main import main
 
 
@@ -51,3 +51,13 @@ def test_runs_below_one_is_refused_naming_the_flag(capsys):
         BenchConfig(runs=0)
     assert main(["bench", "--runs", "0"]) == 2
     assert "runs must be >= 1" in capsys.readouterr().err
+
+
+def test_the_draft_cost_line_names_each_engines_figures_and_where_they_came_from() -> None:
+    line = draft_cost_line([
+        {"draft_token_seconds": 3.1e-5, "drafted_request_seconds": 2.8e-5, "source": "measured", "steps": 900},
+        {"draft_token_seconds": 3.0e-5, "drafted_request_seconds": 0.0, "source": "measured", "steps": 850},
+        {"draft_token_seconds": 0.0, "drafted_request_seconds": 0.0, "source": "none", "steps": 0},
+        {}])
+    assert line == ("A draft token's cost, per engine: 3.1e-05 s (+2.8e-05 s a drafted request) measured over 900 passes; "
+                    "3e-05 s measured over 850 passes; none yet (none: by acceptance); none yet (no proposer: by acceptance)")
