@@ -10,16 +10,26 @@ one fixed workload of the operations those paths are made of (dict and heap upda
 tuples, float arithmetic, method calls), the median of a few repeats, measured as the command
 starts. A figure from another day compares with one from today only beside it: half the
 reference_ms, about twice the completions/s.
+
+The machine's speed also changes *during* a run. On the development machine a core ran the
+same slice of the workload in ~8.5 ms or ~15.5 ms, switching within a second, each core on
+its own (2026-11-26: no steal time counted; another tenant on the host's core is the likely
+reading). ``SpeedProbe`` samples every core through a measurement, so that a step that ran
+on a slow core can be told from one that a policy made slow (``bench`` records it per step).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+import os
 import statistics
+import subprocess
+import sys
+import threading
 import time
 
-__all__ = ["reference_ms"]
+__all__ = ["SpeedProbe", "reference_ms"]
 
 
 class _Item:
@@ -60,3 +70,88 @@ def reference_ms(repeats: int = 5) -> float:
         _workload()
         times.append((time.thread_time() - started) * 1e3)
     return statistics.median(times)
+
+
+PROBE_ITERATIONS = 500
+"""One probe sample: this many rounds of the reference workload (0.5-1.4 ms of CPU here)."""
+
+
+class SpeedProbe:
+    """Each core's speed through a measurement: a small process per core, pinned to it, times
+    ``PROBE_ITERATIONS`` rounds of the reference workload (this thread's CPU time) every
+    ``interval`` seconds and writes ``clock ms`` lines (``time.monotonic``, shared by every
+    process) that a thread here collects. At the default 0.1 s it takes well under 1% of each
+    core. ``median_ms(t0, t1)``: per core, the median sample between two clock readings (None
+    where the span had none). Use as a context manager; a core the process may not run on is
+    left out, and a probe that cannot start raises (``start``)."""
+
+    def __init__(self, cores: list[int] | None = None, interval: float = 0.1):
+        if interval <= 0:
+            raise ValueError(f"interval: must be > 0, got {interval!r}")
+        allowed = sorted(os.sched_getaffinity(0))
+        self.cores = [c for c in (cores if cores is not None else allowed) if c in allowed]
+        self.interval = interval
+        self.samples: dict[int, list[tuple[float, float]]] = {c: [] for c in self.cores}
+        self._procs: list[subprocess.Popen] = []
+        self._readers: list[threading.Thread] = []
+
+    def start(self) -> SpeedProbe:
+        for core in self.cores:
+            proc = subprocess.Popen([sys.executable, "-m", "bubblespec.bench.machine", str(core), str(self.interval)],
+                                    stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+            self._procs.append(proc)
+            reader = threading.Thread(target=self._read, args=(core, proc), daemon=True, name=f"speed-probe-{core}")
+            reader.start()
+            self._readers.append(reader)
+        return self
+
+    def _read(self, core: int, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            at, ms = line.split()
+            self.samples[core].append((float(at), float(ms)))
+
+    def stop(self) -> None:
+        for proc in self._procs:
+            proc.terminate()
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for reader in self._readers:
+            reader.join(timeout=5)
+        self._procs, self._readers = [], []
+
+    def __enter__(self) -> SpeedProbe:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def median_ms(self, t0: float, t1: float) -> dict[int, float | None]:
+        """Per core, the median sample taken between ``t0`` and ``t1`` (``time.monotonic``)."""
+        out: dict[int, float | None] = {}
+        for core, samples in self.samples.items():
+            within = [ms for at, ms in list(samples) if t0 <= at <= t1]
+            out[core] = statistics.median(within) if within else None
+        return out
+
+
+def _probe(core: int, interval: float) -> None:
+    """The probe process: pinned to ``core``, a sample every ``interval`` seconds, until killed."""
+    os.sched_setaffinity(0, {core})
+    while True:
+        started = time.thread_time()
+        _workload(PROBE_ITERATIONS)
+        ms = (time.thread_time() - started) * 1e3
+        print(f"{time.monotonic():.4f} {ms:.3f}", flush=True)
+        time.sleep(interval)
+
+
+if __name__ == "__main__":
+    try:
+        _probe(int(sys.argv[1]), float(sys.argv[2]))
+    except (KeyboardInterrupt, BrokenPipeError):
+        pass

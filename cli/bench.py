@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from bubblespec.bench.machine import reference_ms
+from bubblespec.bench.machine import SpeedProbe, reference_ms
 from bubblespec.client import AsyncRolloutClient, SamplingParams, SchedulingPolicy, StepResult
 from bubblespec.scheduler.core.state import CoreSettings
 
@@ -145,7 +145,8 @@ def _per_worker(r: StepResult) -> dict:
     return dict(sorted(out.items()))
 
 
-async def _run_arm(cluster, client, arm: Arm, prompts, weights, cfg: BenchConfig, version0: int, say=print):
+async def _run_arm(cluster, client, arm: Arm, prompts, weights, cfg: BenchConfig, version0: int, say=print,
+                   probe: SpeedProbe | None = None):
     from bubblespec.store import MemoryStore
 
     store = MemoryStore()
@@ -160,11 +161,13 @@ async def _run_arm(cluster, client, arm: Arm, prompts, weights, cfg: BenchConfig
             await asyncio.sleep(cfg.train_seconds)  # the trainer computes rewards and gradients
         await client.update_policy(version, weights[s])
         ahead = [p for t in range(s + 1, s + 1 + cfg.lookahead_steps) if t < len(prompts) for p in prompts[t]]
-        cpu = time.process_time()  # this process: scheduler, agents, trainer, the engines' vLLM front ends
+        cpu, began = time.process_time(), time.monotonic()  # this process: scheduler, agents, trainer, vLLM front ends
         result = await client.generate(f"bench-{arm.name.replace('+', '-')}-{version}", prompts[s], sampling, n=cfg.samples,
                                        policy_version=version, lookahead=ahead, policy=arm.policy,
                                        drafts=arm.drafts, straggler_watch=arm.straggler_watch)
         rows.append(_step_row(arm.name, s + 1, result, time.process_time() - cpu))
+        if probe is not None:  # how fast each core ran while the step did (bench/machine.py)
+            rows[-1]["core_probe_ms"] = {str(c): ms for c, ms in probe.median_ms(began, time.monotonic()).items()}
         _worker_done_times(cluster.scheduler.core, result.summary.step_id, rows[-1]["per_worker"])
         outputs.append([c.token_ids for c in result.completions])
         say(f"  {arm.name:>13} step {s + 1}: {result.summary.makespan_seconds:6.2f}s "
@@ -246,7 +249,7 @@ async def run_bench(cluster, prompts: list[list], base_model: str, cfg: BenchCon
     rows, outputs = [], {}
     reference = reference_ms()  # the engines up and idle, no arm running yet
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="bubblespec-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bubblespec-bench-") as tmp, SpeedProbe() as probe:
         weights, current = [], base_model
         for s in range(cfg.steps):  # the same weight sequence for every arm
             current = str(perturb_weights(current, Path(tmp) / f"w{s}", scale=cfg.update_scale, seed=cfg.seed + s))
@@ -260,7 +263,7 @@ async def run_bench(cluster, prompts: list[list], base_model: str, cfg: BenchCon
                     for arm in ARMS[run % len(ARMS):] + ARMS[:run % len(ARMS)]:
                         version0 = cluster.scheduler.core.policy_version + 1
                         arm_rows, outputs[run, arm.name] = await _run_arm(cluster, client, arm, prompts, weights, cfg,
-                                                                          version0, say)
+                                                                          version0, say, probe)
                         rows += [{**r, "run": run + 1} for r in arm_rows]
         finally:
             for agent, store in zip(cluster.agents, stores):
@@ -269,9 +272,30 @@ async def run_bench(cluster, prompts: list[list], base_model: str, cfg: BenchCon
     exact = {arm.name: all(outputs[run, arm.name] == outputs[0, "baseline"] for run in range(cfg.runs)) for arm in ARMS}
     per_run = [summarize([r for r in rows if r["run"] == run + 1], exact) for run in range(cfg.runs)]
     return {"config": cfg.__dict__, "workers": len(cluster.agents), "seconds": time.monotonic() - started,
-            "reference_ms": reference,
+            "reference_ms": reference, "engine_cores": _engine_cores(cluster),
             "steps": rows, "runs": per_run, "summary": combine_runs(per_run),
             "draft_cost": [await e.draft_cost() for e in cluster.engines if hasattr(e, "draft_cost")]}
+
+
+def core_speed_line(rows: list[dict]) -> str:
+    """How fast the cores ran while each arm's steps did: per arm, the median over its steps of
+    the mean over cores of the probe's median sample (``core_probe_ms``; '' without a probe).
+    An arm whose figure is well above the others' ran on a slower machine, whatever its policy."""
+    by_arm: dict[str, list[float]] = {}
+    for r in rows:
+        ms = [v for v in (r.get("core_probe_ms") or {}).values() if v is not None]
+        if ms:
+            by_arm.setdefault(r["arm"], []).append(statistics.fmean(ms))
+    if not by_arm:
+        return ""
+    return ("Core speed while each arm ran (probe ms, lower is faster; bench/machine.py): "
+            + ", ".join(f"{arm} {statistics.median(v):.2f}" for arm, v in by_arm.items()))
+
+
+def _engine_cores(cluster) -> dict[str, str]:
+    """Worker id -> the cores its engine is bound to (``EngineSettings.cpu_cores``; '' where
+    unbound), to read a step's ``core_probe_ms`` by worker."""
+    return {f"worker-{i}": getattr(getattr(e, "settings", None), "cpu_cores", "") for i, e in enumerate(cluster.engines)}
 
 
 def draft_cost_line(costs: list[dict]) -> str:
@@ -359,6 +383,9 @@ def _tell_results(say, report: dict, cfg: BenchConfig) -> None:
         f"{report['reference_ms']:.0f} ms (bench/machine.py: lower is faster)")
     if report.get("draft_cost"):
         say(draft_cost_line(report["draft_cost"]))
+    line = core_speed_line(report["steps"])
+    if line:
+        say(line)
     say()
     say(NUMBERS_EXPLAINED)
     say(verdict(report["summary"]))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bubblespec.cli.bench import BenchConfig, combine_runs, draft_cost_line, summarize, table_lines
+from bubblespec.cli.bench import BenchConfig, combine_runs, core_speed_line, draft_cost_line, summarize, table_lines
 from bubblespec.cli.main import main
 
 
@@ -61,3 +61,14 @@ def test_the_draft_cost_line_names_each_engines_figures_and_where_they_came_from
         {}])
     assert line == ("A draft token's cost, per engine: 3.1e-05 s (+2.8e-05 s a drafted request) measured over 900 passes; "
                     "3e-05 s measured over 850 passes; none yet (none: by acceptance); none yet (no proposer: by acceptance)")
+
+
+def test_the_core_speed_line_is_each_arms_median_step_of_the_cores_mean() -> None:
+    rows = [{"arm": "baseline", "core_probe_ms": {"0": 0.8, "1": 1.0}},
+            {"arm": "baseline", "core_probe_ms": {"0": 1.2, "1": 1.4}},
+            {"arm": "baseline", "core_probe_ms": {"0": 0.9, "1": None}},  # a step too short for core 1's samples
+            {"arm": "queue", "core_probe_ms": {"0": 1.6, "1": 1.6}},
+            {"arm": "queue"}]  # no probe in this row
+    assert core_speed_line(rows) == ("Core speed while each arm ran (probe ms, lower is faster; bench/machine.py): "
+                                     "baseline 0.90, queue 1.60")
+    assert core_speed_line([{"arm": "baseline"}]) == ""

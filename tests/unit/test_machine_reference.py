@@ -3,6 +3,7 @@ the control plane's and the simulator's absolute figures so that runs of differe
 
 from __future__ import annotations
 
+import statistics
 import threading
 
 import pytest
@@ -39,3 +40,31 @@ def test_the_reference_counts_this_threads_cpu_not_the_clock() -> None:
 def test_a_bad_repeat_count_is_refused_naming_it() -> None:
     with pytest.raises(ValueError, match="repeats"):
         machine.reference_ms(0)
+
+
+def test_the_probe_samples_every_core_it_may_run_on_and_reads_a_span() -> None:
+    import os
+    import time
+
+    cores = sorted(os.sched_getaffinity(0))
+    with machine.SpeedProbe(cores + [max(cores) + 1000], interval=0.02) as probe:  # the last core is not ours
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        time.sleep(0.5)
+        t1 = time.monotonic()
+        time.sleep(0.2)
+    assert probe.cores == cores
+    spans = probe.median_ms(t0, t1)
+    assert set(spans) == set(cores)
+    for core in cores:
+        inside = [ms for at, ms in probe.samples[core] if t0 <= at <= t1]
+        assert len(inside) >= 5 and spans[core] == statistics.median(inside)
+        assert all(ms > 0 for _, ms in probe.samples[core])
+        assert len(probe.samples[core]) > len(inside)  # samples outside the span were taken, and left out
+    assert probe.median_ms(t1 + 100, t1 + 200) == {c: None for c in cores}  # nothing sampled then
+    assert probe._procs == []  # stopped and reaped
+
+
+def test_a_bad_probe_interval_is_refused_naming_it() -> None:
+    with pytest.raises(ValueError, match="interval"):
+        machine.SpeedProbe(interval=0)
