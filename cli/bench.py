@@ -175,9 +175,19 @@ async def _run_arm(cluster, client, arm: Arm, prompts, weights, cfg: BenchConfig
     return rows, outputs
 
 
+def _core_ms(row: dict) -> float | None:
+    """A step's core speed: the mean over cores of the probe's median sample (None: no probe)."""
+    ms = [v for v in (row.get("core_probe_ms") or {}).values() if v is not None]
+    return statistics.fmean(ms) if ms else None
+
+
 def summarize(rows: list[dict], exact: dict[str, bool], first_step: int = 2) -> list[dict]:
-    """Per arm, medians over steps >= first_step; speedup = median of per-step ratios to baseline."""
+    """Per arm, medians over steps >= first_step; speedup = median of per-step ratios to baseline.
+    Where the steps carry the cores' probe (``core_probe_ms``), ``speedup_equal_speed_median``
+    is the same ratio with each step's makespan divided by its cores' probe figure: the
+    speedup had both steps run on cores of one speed (an estimate: docs/BENCHMARKS.md)."""
     base = {r["step"]: r["makespan_seconds"] for r in rows if r["arm"] == "baseline"}
+    base_ms = {r["step"]: _core_ms(r) for r in rows if r["arm"] == "baseline"}
     table = []
     names = [a.name for a in ARMS]
     for arm in sorted(dict.fromkeys(r["arm"] for r in rows), key=lambda a: names.index(a) if a in names else len(names)):
@@ -191,6 +201,8 @@ def summarize(rows: list[dict], exact: dict[str, bool], first_step: int = 2) -> 
                 acc[1] += v["drafted"]
         drafting = sum(r["drafting_worker_seconds"] for r in mine)
         total = sum(r["drafting_worker_seconds"] + r["busy_worker_seconds"] + r["idle_worker_seconds"] for r in mine)
+        equal_speed = [base[r["step"]] / r["makespan_seconds"] * ms / base_ms[r["step"]]
+                       for r in mine if (ms := _core_ms(r)) is not None and base_ms.get(r["step"])]
         table.append({
             "arm": arm,
             "makespan_seconds_median": statistics.median(r["makespan_seconds"] for r in mine),
@@ -202,6 +214,8 @@ def summarize(rows: list[dict], exact: dict[str, bool], first_step: int = 2) -> 
             "acceptance_by_source": {k: (a / d if d else 0.0) for k, (a, d) in by_source.items()},
             "exact": exact[arm],
         })
+        if equal_speed:
+            table[-1]["speedup_equal_speed_median"] = statistics.median(equal_speed)
     return table
 
 
@@ -283,13 +297,22 @@ def core_speed_line(rows: list[dict]) -> str:
     An arm whose figure is well above the others' ran on a slower machine, whatever its policy."""
     by_arm: dict[str, list[float]] = {}
     for r in rows:
-        ms = [v for v in (r.get("core_probe_ms") or {}).values() if v is not None]
-        if ms:
-            by_arm.setdefault(r["arm"], []).append(statistics.fmean(ms))
+        ms = _core_ms(r)
+        if ms is not None:
+            by_arm.setdefault(r["arm"], []).append(ms)
     if not by_arm:
         return ""
     return ("Core speed while each arm ran (probe ms, lower is faster; bench/machine.py): "
             + ", ".join(f"{arm} {statistics.median(v):.2f}" for arm, v in by_arm.items()))
+
+
+def equal_speed_line(table: list[dict]) -> str:
+    """The speedups at equal core speed (``summarize``), per arm but the baseline; '' without them."""
+    figures = [f"{t['arm']} {t['speedup_equal_speed_median']:.2f}x" for t in table
+               if t["arm"] != "baseline" and "speedup_equal_speed_median" in t]
+    if not figures:
+        return ""
+    return "At equal core speed (each step's makespan over its cores' probe figure): " + ", ".join(figures)
 
 
 def _engine_cores(cluster) -> dict[str, str]:
@@ -318,7 +341,8 @@ def combine_runs(per_run: list[list[dict]]) -> list[dict]:
     table = []
     for first in per_run[0]:
         mine = [t for run in per_run for t in run if t["arm"] == first["arm"]]
-        row = {k: statistics.median(t[k] for t in mine) for k, v in first.items() if isinstance(v, float)}
+        keys = dict.fromkeys(k for t in mine for k, v in t.items() if isinstance(v, float))  # a run may lack one
+        row = {k: statistics.median(t[k] for t in mine if k in t) for k in keys}
         sources = {src for t in mine for src in t["acceptance_by_source"]}
         row.update(arm=first["arm"], exact=all(t["exact"] for t in mine),
                    acceptance_by_source={src: statistics.median(t["acceptance_by_source"].get(src, 0.0) for t in mine)
@@ -383,9 +407,9 @@ def _tell_results(say, report: dict, cfg: BenchConfig) -> None:
         f"{report['reference_ms']:.0f} ms (bench/machine.py: lower is faster)")
     if report.get("draft_cost"):
         say(draft_cost_line(report["draft_cost"]))
-    line = core_speed_line(report["steps"])
-    if line:
-        say(line)
+    for line in (core_speed_line(report["steps"]), equal_speed_line(report["summary"])):
+        if line:
+            say(line)
     say()
     say(NUMBERS_EXPLAINED)
     say(verdict(report["summary"]))

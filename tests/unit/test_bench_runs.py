@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from bubblespec.cli.bench import BenchConfig, combine_runs, core_speed_line, draft_cost_line, summarize, table_lines
+from bubblespec.cli.bench import (
+    BenchConfig,
+    combine_runs,
+    core_speed_line,
+    draft_cost_line,
+    equal_speed_line,
+    summarize,
+    table_lines,
+)
 from bubblespec.cli.main import main
 
 
@@ -72,3 +80,23 @@ def test_the_core_speed_line_is_each_arms_median_step_of_the_cores_mean() -> Non
     assert core_speed_line(rows) == ("Core speed while each arm ran (probe ms, lower is faster; bench/machine.py): "
                                      "baseline 0.90, queue 1.60")
     assert core_speed_line([{"arm": "baseline"}]) == ""
+
+
+def test_the_speedup_at_equal_core_speed_divides_each_steps_makespan_by_its_cores_probe() -> None:
+    exact = dict.fromkeys(["baseline", "queue", "static+drafts", "bubblespec"], True)
+    order = ["baseline", "queue", "static+drafts", "bubblespec"]
+    rows = _run(10.0, 5.0, order, 1)
+    for r in rows:  # the baseline ran on cores twice as slow as the others'; queue's step 3 has no probe
+        if not (r["arm"] == "queue" and r["step"] == 3):
+            r["core_probe_ms"] = {"0": 2.0, "1": 2.0} if r["arm"] == "baseline" else {"0": 0.8, "1": 1.2}
+    table = {t["arm"]: t for t in summarize(rows, exact)}
+    assert table["queue"]["speedup_median"] == 1.0
+    assert table["queue"]["speedup_equal_speed_median"] == pytest.approx(0.5)  # as fast, on cores twice as fast
+    assert table["bubblespec"]["speedup_equal_speed_median"] == pytest.approx(1.0)
+    assert equal_speed_line(list(table.values())) == (
+        "At equal core speed (each step's makespan over its cores' probe figure): "
+        "queue 0.50x, static+drafts 0.50x, bubblespec 1.00x")
+    # a run without the probe leaves the figure to the runs that had it
+    combined = {t["arm"]: t for t in combine_runs([summarize(_run(10.0, 5.0, order, 2), exact), list(table.values())])}
+    assert combined["bubblespec"]["speedup_equal_speed_median"] == pytest.approx(1.0)
+    assert equal_speed_line(summarize(_run(10.0, 5.0, order, 3), exact)) == ""
