@@ -54,7 +54,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bubblespec.bench.machine import reference_ms
+from bubblespec.bench.machine import SpeedProbe, reference_ms
 from bubblespec.cli.loadtest_settings import LoadSettings
 
 __all__ = ["LoadSettings", "add_parser", "loadtest", "memory_verdict", "percentile", "run_loadtest"]
@@ -311,6 +311,9 @@ class StepRecord:
     generated_tokens: int
     requests_moved: int
     requests_requeued: int
+    core_probe_ms: float | None = None
+    """How fast the cores ran during the step: the mean over cores of the speed probe's median
+    sample (bench/machine.py; lower is faster)."""
 
 
 @dataclass
@@ -401,7 +404,8 @@ class _Harness:
             self.redis.stop()
 
 
-async def _run_step(h: _Harness, client, step: int, version: int, sampler: _Sampler, run_id: str) -> StepRecord:
+async def _run_step(h: _Harness, client, step: int, version: int, sampler: _Sampler, run_id: str,
+                    speed: SpeedProbe | None = None) -> StepRecord:
     from bubblespec.client import SamplingParams, SchedulingPolicy
     from bubblespec.client._base import make_generate_request
 
@@ -427,9 +431,14 @@ async def _run_step(h: _Harness, client, step: int, version: int, sampler: _Samp
         pass
     seconds = time.monotonic() - started
     cpu, own = h.scheduler.cpu_seconds() - cpu0, time.process_time() - own0
+    ended = time.monotonic()
     probe = await h.workers.collect(started)
     probe["cpu"] -= workers_cpu0
-    return _record(h, step, collector, seconds, update_seconds, (cpu, own), probe, sampler)
+    record = _record(h, step, collector, seconds, update_seconds, (cpu, own), probe, sampler)
+    if speed is not None:
+        ms = [v for v in speed.median_ms(started, ended).values() if v is not None]
+        record.core_probe_ms = statistics.fmean(ms) if ms else None
+    return record
 
 
 def _record(h: _Harness, step: int, collector, seconds: float, update_seconds: float, cpus: tuple[float, float],
@@ -470,6 +479,7 @@ async def run_loadtest(settings: LoadSettings, on_step=None) -> LoadResult:
     h = _Harness(settings)
     result = LoadResult(asdict(settings), "")
     sampler: _Sampler | None = None
+    speed = SpeedProbe().start()
     try:
         await h.start()
         result.redis = h.redis_url or "memory (no Redis)"
@@ -482,13 +492,16 @@ async def run_loadtest(settings: LoadSettings, on_step=None) -> LoadResult:
             for step in range(settings.steps):
                 if settings.update_policy:
                     version += 1
-                record = await _run_step(h, client, step, version, sampler, run_id)
+                record = await _run_step(h, client, step, version, sampler, run_id, speed)
                 result.steps.append(record)
                 if on_step is not None:
                     on_step(record)
             result.summary = await _summarize(h, result.steps, time.monotonic() - started)
             result.summary["reference_ms"] = reference
+            probed = [r.core_probe_ms for r in result.steps if r.core_probe_ms is not None]
+            result.summary["core_probe_ms"] = statistics.median(probed) if probed else None
     finally:
+        speed.stop()
         if sampler is not None:
             await sampler.stop()
         await h.stop()
@@ -587,6 +600,10 @@ def table_row(r: StepRecord) -> str:
     return row + "".join(f"  !{f}" for f in flags if f)
 
 
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f} ms"
+
+
 def summary_text(result: LoadResult) -> str:
     s, m = result.summary, result.summary["memory"]
     verdict = m["verdict"]
@@ -600,7 +617,8 @@ def summary_text(result: LoadResult) -> str:
         (f"throughput: {s['completions_per_second']:.1f} completions/s through the scheduler "
          f"({s['generate_seconds']:.1f} s of Generate, {s['total_seconds']:.1f} s with policy updates); "
          f"scheduler CPU {s['scheduler_cpu_ms_per_completion']:.2f} ms per completion; machine reference "
-         f"{s['reference_ms']:.0f} ms (bench/machine.py: lower is faster)"),
+         f"{s['reference_ms']:.0f} ms, cores' probe {_ms(s.get('core_probe_ms'))} during the steps "
+         f"(bench/machine.py: lower is faster)"),
         (f"dispatch latency over all {s['dispatch_n']} requests: p50 {s['dispatch_p50_ms']:.2f} ms, "
          f"p99 {s['dispatch_p99_ms']:.2f} ms (first wave, {s['first_wave_n']}: p50 {s['first_wave_p50_ms']:.2f} / "
          f"p99 {s['first_wave_p99_ms']:.2f} ms; refills, {s['refill_n']}: p50 {s['refill_p50_ms']:.2f} / "

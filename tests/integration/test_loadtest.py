@@ -130,6 +130,7 @@ async def test_small_loadtest_delivers_every_completion_once():
     assert s["duplicates"] == s["missing"] == 0 and s["completions_per_second"] > 0
     assert s["worker_store"]["ops"] > 0 and s["redis"]["keys"] > 0
     assert s["reference_ms"] > 0 and f"machine reference {s['reference_ms']:.0f} ms" in summary_text(result)
+    assert s["core_probe_ms"] > 0 and f"cores' probe {s['core_probe_ms']:.2f} ms" in summary_text(result)
 
 
 @pytest.mark.timeout(120)
