@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
-from bubblespec.bench.machine import reference_ms
+from bubblespec.bench.machine import SpeedProbe, reference_ms
 from bubblespec.bench.sim.attribution import format_tail
 from bubblespec.bench.sim.costs import PROFILES
 from bubblespec.bench.sim.simulator import SimResult, SimSettings, simulate
@@ -206,6 +206,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     tails: list[str] = []
     started = time.perf_counter()
     seeds = range(args.seed, args.seed + max(1, args.seeds))
+    with SpeedProbe() as speed:
+        _run_rows(args, workers, runs, seeds, workload, acceptance, settings, profile, rows, tails)
+    print(format_table(rows))
+    for t in tails:
+        print(t)
+    if args.ceiling:
+        for w in workers:
+            print("\n".join(ceiling_lines(args, workload, acceptance, w)))
+    probed = [ms for samples in speed.samples.values() for _, ms in samples]
+    probe = f"{statistics.median(probed):.2f} ms" if probed else "n/a"
+    print(f"total {time.perf_counter() - started:.0f} s; the cores' probe {probe} through the rows "
+          f"(bench/machine.py: lower is faster)", flush=True)
+    return 0
+
+
+def _run_rows(args, workers, runs, seeds, workload, acceptance, settings, profile, rows: list, tails: list) -> None:
+    """Simulate every policy at every worker count; a row per (count, policy) into ``rows``."""
     for w in workers:
         baselines: list[SimResult] = []
         for name, policy, drafting in runs:
@@ -222,14 +239,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                       file=sys.stderr, flush=True)
             baselines = baselines or results
             rows.append(_row(results, baselines))
-    print(format_table(rows))
-    for t in tails:
-        print(t)
-    if args.ceiling:
-        for w in workers:
-            print("\n".join(ceiling_lines(args, workload, acceptance, w)))
-    print(f"total {time.perf_counter() - started:.0f} s", flush=True)
-    return 0
 
 
 if __name__ == "__main__":
