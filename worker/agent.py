@@ -121,6 +121,7 @@ class WorkerAgent:
         self.draft_seconds = 0.0
         self.spec_tokens: dict[str, list[int]] = {}  # draft source -> [drafted, accepted], completed requests
         self.draft_token_seconds: float | None = None  # the engine's draft-length rule's figure (None: not read yet)
+        self.drafted_request_seconds = 0.0  # its figure for a drafted request beyond its tokens (read with it)
         self.draft_tokens: dict[str, int] = {}  # running draft job id -> tokens generated so far
         self.connected = asyncio.Event()
         self.failed: Exception | None = None  # set when the engine died: run() raises it
@@ -278,14 +279,17 @@ class WorkerAgent:
     async def _read_draft_cost(self) -> None:
         """Every ``DRAFT_COST_SECONDS``, read what the engine's draft-length rule takes a draft
         token to cost (``VllmEngine.draft_cost``: set, or measured as it runs), for the metric
-        ``bubblespec_worker_draft_token_seconds``. Off the heartbeat's loop: a busy engine
+        ``bubblespec_worker_draft_token_seconds`` (and what a drafted request adds beyond its tokens,
+        ``bubblespec_worker_drafted_request_seconds``). Off the heartbeat's loop: a busy engine
         answers late, and a late heartbeat gets a worker disconnected."""
         read = getattr(self.engine, "draft_cost", None)
         if read is None or not self.engine.info.speculation:
             return
         while True:
             try:
-                self.draft_token_seconds = float((await read()).get("draft_token_seconds", 0.0))
+                cost = await read()
+                self.draft_token_seconds, self.drafted_request_seconds = (
+                    float(cost.get("draft_token_seconds", 0.0)), float(cost.get("drafted_request_seconds", 0.0)))
             except Exception as exc:  # telemetry: the gauge keeps its last value, the log says why
                 logger.warning("worker %s: could not read the engine's draft token cost: %s", self.worker_id, exc)
             await asyncio.sleep(DRAFT_COST_SECONDS)

@@ -41,6 +41,9 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("bubblespec_worker_draft_token_seconds", "gauge",
                "Seconds one draft token adds to this worker's engine pass, as its draft-length rule takes it (set by "
                "--draft-token-seconds, or measured by the engine as it runs); 0 while unknown (drafts by acceptance)."),
+    MetricSpec("bubblespec_worker_drafted_request_seconds", "gauge",
+               "Seconds each request with a draft adds to this worker's engine pass beyond its draft tokens, as the "
+               "engine measured it; 0 where its passes cannot tell that apart from the tokens' cost."),
     MetricSpec("bubblespec_worker_spec_drafted_tokens_total", "counter",
                "Draft tokens proposed for this worker's completed requests, by draft source "
                "(future, history, sibling, suffix).", ("source",)),
@@ -94,6 +97,7 @@ class WorkerMetrics(Collector):
         )
         if a.draft_token_seconds is not None:
             yield family(_SPECS["bubblespec_worker_draft_token_seconds"], [((), a.draft_token_seconds)])
+            yield family(_SPECS["bubblespec_worker_drafted_request_seconds"], [((), a.drafted_request_seconds)])
         spec = sorted(a.spec_tokens.items())
         yield family(_SPECS["bubblespec_worker_spec_drafted_tokens_total"], [((src,), v[0]) for src, v in spec])
         yield family(_SPECS["bubblespec_worker_spec_accepted_tokens_total"], [((src,), v[1]) for src, v in spec])

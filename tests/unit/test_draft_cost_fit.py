@@ -180,16 +180,16 @@ def test_the_worker_reads_its_engines_figure_for_its_metric_and_survives_a_faile
     from bubblespec.worker.agent import WorkerAgent, WorkerSettings
     from bubblespec.worker.engine import EngineInfo
 
-    answers: list = [{"draft_token_seconds": 4.2e-5, "source": "measured", "steps": 900},
+    answers: list = [{"draft_token_seconds": 4.2e-5, "drafted_request_seconds": 2.8e-5, "source": "measured", "steps": 900},
                      RuntimeError("engine busy"), {"draft_token_seconds": 5.0e-5, "source": "measured", "steps": 1200}]
-    seen: list = []  # the agent's figure as each read begins
+    seen: list = []  # the agent's figures as each read begins
     done = asyncio.Event()
 
     class Engine:
         info = EngineInfo("m", 64, 16, True)
 
         async def draft_cost(self) -> dict:
-            seen.append(agent.draft_token_seconds)
+            seen.append((agent.draft_token_seconds, agent.drafted_request_seconds))
             if not answers:
                 done.set()
                 await asyncio.Event().wait()  # the last read hangs: the test has what it needs
@@ -207,7 +207,8 @@ def test_the_worker_reads_its_engines_figure_for_its_metric_and_survives_a_faile
 
     monkeypatch.setattr(agent_module, "DRAFT_COST_SECONDS", 0.001)
     asyncio.run(run())
-    assert seen == [None, 4.2e-5, 4.2e-5, 5.0e-5]  # not read yet (no gauge); the failed read kept the figure
+    # not read yet (no gauge); the failed read kept the figures; a reply without the row's figure reads 0
+    assert seen == [(None, 0.0), (4.2e-5, 2.8e-5), (4.2e-5, 2.8e-5), (5.0e-5, 0.0)]
 
 
 def test_passes_with_nothing_held_back_do_not_expire_the_figure() -> None:

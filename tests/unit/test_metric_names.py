@@ -115,6 +115,7 @@ class FakeAgent:
         self.draft_seconds = 1.5
         self.spec_tokens = {"future": [10, 7], "suffix": [4, 3]}
         self.draft_token_seconds = 3.0e-5
+        self.drafted_request_seconds = 2.8e-5
         self.version = 2
         self.tokens_window: list[tuple[float, int]] = []
         self.connected = asyncio.Event()
@@ -325,8 +326,10 @@ def test_worker_exporter_reads_agent_and_store():
     assert by_source[("bubblespec_worker_spec_accepted_tokens_total", "suffix")] == 3
     assert by_source[("bubblespec_worker_spec_accepted_tokens_total", "future")] == 7
     assert samples["bubblespec_worker_draft_token_seconds"] == 3.0e-5
+    assert samples["bubblespec_worker_drafted_request_seconds"] == 2.8e-5
     agent.draft_token_seconds = None  # an engine without speculation, or not read yet: no gauge
-    assert "bubblespec_worker_draft_token_seconds" not in {f.name for f in _families(exporter)}
+    names = {f.name for f in _families(exporter)}
+    assert "bubblespec_worker_draft_token_seconds" not in names and "bubblespec_worker_drafted_request_seconds" not in names
 
 
 def test_requests_of_a_lost_worker_count_as_requeued_not_moved():
