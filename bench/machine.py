@@ -88,7 +88,8 @@ class SpeedProbe:
     def __init__(self, cores: list[int] | None = None, interval: float = 0.1):
         if interval <= 0:
             raise ValueError(f"interval: must be > 0, got {interval!r}")
-        allowed = sorted(os.sched_getaffinity(0))
+        # where the OS cannot pin a process (no sched_getaffinity), there is no core to probe: none is
+        allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         self.cores = [c for c in (cores if cores is not None else allowed) if c in allowed]
         self.interval = interval
         self.samples: dict[int, list[tuple[float, float]]] = {c: [] for c in self.cores}

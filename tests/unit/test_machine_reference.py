@@ -68,3 +68,10 @@ def test_the_probe_samples_every_core_it_may_run_on_and_reads_a_span() -> None:
 def test_a_bad_probe_interval_is_refused_naming_it() -> None:
     with pytest.raises(ValueError, match="interval"):
         machine.SpeedProbe(interval=0)
+
+
+def test_where_no_process_can_be_pinned_the_probe_samples_nothing_and_says_so(monkeypatch) -> None:
+    monkeypatch.delattr(machine.os, "sched_getaffinity")
+    with machine.SpeedProbe() as probe:
+        assert probe.cores == [] and probe._procs == []
+    assert probe.median_ms(0.0, 1e12) == {}
