@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 
-__all__ = ["SpeedProbe", "reference_ms"]
+__all__ = ["SpeedProbe", "mean_of_cores", "reference_ms"]
 
 
 class _Item:
@@ -97,13 +97,18 @@ class SpeedProbe:
         self._readers: list[threading.Thread] = []
 
     def start(self) -> SpeedProbe:
-        for core in self.cores:
-            proc = subprocess.Popen([sys.executable, "-m", "bubblespec.bench.machine", str(core), str(self.interval)],
-                                    stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
-            self._procs.append(proc)
-            reader = threading.Thread(target=self._read, args=(core, proc), daemon=True, name=f"speed-probe-{core}")
-            reader.start()
-            self._readers.append(reader)
+        """Start a probe per core; where one cannot start, stop those that did and raise."""
+        try:
+            for core in self.cores:
+                proc = subprocess.Popen([sys.executable, "-m", "bubblespec.bench.machine", str(core), str(self.interval)],
+                                        stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+                self._procs.append(proc)
+                reader = threading.Thread(target=self._read, args=(core, proc), daemon=True, name=f"speed-probe-{core}")
+                reader.start()
+                self._readers.append(reader)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def _read(self, core: int, proc: subprocess.Popen) -> None:
@@ -138,6 +143,13 @@ class SpeedProbe:
             within = [ms for at, ms in list(samples) if t0 <= at <= t1]
             out[core] = statistics.median(within) if within else None
         return out
+
+
+def mean_of_cores(per_core: dict) -> float | None:
+    """The mean over cores of ``median_ms``'s figures (or a report's copy of them), the cores
+    without a sample left out; None where none has one."""
+    ms = [v for v in per_core.values() if v is not None]
+    return statistics.fmean(ms) if ms else None
 
 
 def _probe(core: int, interval: float) -> None:

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from bubblespec.bench.machine import SpeedProbe, reference_ms
+from bubblespec.bench.machine import SpeedProbe, mean_of_cores, reference_ms
 from bubblespec.client import AsyncRolloutClient, SamplingParams, SchedulingPolicy, StepResult
 from bubblespec.scheduler.core.state import CoreSettings
 
@@ -177,8 +177,7 @@ async def _run_arm(cluster, client, arm: Arm, prompts, weights, cfg: BenchConfig
 
 def _core_ms(row: dict) -> float | None:
     """A step's core speed: the mean over cores of the probe's median sample (None: no probe)."""
-    ms = [v for v in (row.get("core_probe_ms") or {}).values() if v is not None]
-    return statistics.fmean(ms) if ms else None
+    return mean_of_cores(row.get("core_probe_ms") or {})
 
 
 def summarize(rows: list[dict], exact: dict[str, bool], first_step: int = 2) -> list[dict]:

@@ -54,7 +54,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bubblespec.bench.machine import SpeedProbe, reference_ms
+from bubblespec.bench.machine import SpeedProbe, mean_of_cores, reference_ms
 from bubblespec.cli.loadtest_settings import LoadSettings
 
 __all__ = ["LoadSettings", "add_parser", "loadtest", "memory_verdict", "percentile", "run_loadtest"]
@@ -429,15 +429,14 @@ async def _run_step(h: _Harness, client, step: int, version: int, sampler: _Samp
     async for _ in client.stream(step_id, prompts, sampling, policy_version=version, n=s.samples,
                                  lookahead=ahead, policy=policy, _collector=collector):
         pass
-    seconds = time.monotonic() - started
-    cpu, own = h.scheduler.cpu_seconds() - cpu0, time.process_time() - own0
     ended = time.monotonic()
+    seconds = ended - started
+    cpu, own = h.scheduler.cpu_seconds() - cpu0, time.process_time() - own0
     probe = await h.workers.collect(started)
     probe["cpu"] -= workers_cpu0
     record = _record(h, step, collector, seconds, update_seconds, (cpu, own), probe, sampler)
     if speed is not None:
-        ms = [v for v in speed.median_ms(started, ended).values() if v is not None]
-        record.core_probe_ms = statistics.fmean(ms) if ms else None
+        record.core_probe_ms = mean_of_cores(speed.median_ms(started, ended))
     return record
 
 
@@ -479,8 +478,9 @@ async def run_loadtest(settings: LoadSettings, on_step=None) -> LoadResult:
     h = _Harness(settings)
     result = LoadResult(asdict(settings), "")
     sampler: _Sampler | None = None
-    speed = SpeedProbe().start()
+    speed = SpeedProbe()
     try:
+        speed.start()
         await h.start()
         result.redis = h.redis_url or "memory (no Redis)"
         async with AsyncRolloutClient(h.scheduler.target) as client:

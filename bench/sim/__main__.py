@@ -207,7 +207,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     seeds = range(args.seed, args.seed + max(1, args.seeds))
     with SpeedProbe() as speed:
-        _run_rows(args, workers, runs, seeds, workload, acceptance, settings, profile, rows, tails)
+        for w in workers:
+            baselines: list[SimResult] = []
+            for name, policy, drafting in runs:
+                results = []
+                for seed in seeds:
+                    r = simulate(policy, w, requests_for(w, args.requests, args.samples), args.steps, profile, drafting,
+                                 seed, workload=workload, acceptance=acceptance, settings=settings)
+                    results.append(r)
+                    tails += [format_tail(f"{w} workers, {name}, seed {seed}, step {s.summary.step_id} (makespan "
+                                          f"{s.makespan_seconds:.1f} s): last {len(s.tail)} requests", s.tail)
+                              for s in r.reported if s.tail]
+                    print(f"  {w} workers, {name}, seed {seed}: {r.wall_seconds:.1f} s (adding workers "
+                          f"{r.setup_wall_seconds:.1f} s, steps {', '.join(f'{s.wall_seconds:.1f}' for s in r.steps)} s)",
+                          file=sys.stderr, flush=True)
+                baselines = baselines or results
+                rows.append(_row(results, baselines))
     print(format_table(rows))
     for t in tails:
         print(t)
@@ -219,26 +234,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"total {time.perf_counter() - started:.0f} s; the cores' probe {probe} through the rows "
           f"(bench/machine.py: lower is faster)", flush=True)
     return 0
-
-
-def _run_rows(args, workers, runs, seeds, workload, acceptance, settings, profile, rows: list, tails: list) -> None:
-    """Simulate every policy at every worker count; a row per (count, policy) into ``rows``."""
-    for w in workers:
-        baselines: list[SimResult] = []
-        for name, policy, drafting in runs:
-            results = []
-            for seed in seeds:
-                r = simulate(policy, w, requests_for(w, args.requests, args.samples), args.steps, profile, drafting,
-                             seed, workload=workload, acceptance=acceptance, settings=settings)
-                results.append(r)
-                tails += [format_tail(f"{w} workers, {name}, seed {seed}, step {s.summary.step_id} (makespan "
-                                      f"{s.makespan_seconds:.1f} s): last {len(s.tail)} requests", s.tail)
-                          for s in r.reported if s.tail]
-                print(f"  {w} workers, {name}, seed {seed}: {r.wall_seconds:.1f} s (adding workers "
-                      f"{r.setup_wall_seconds:.1f} s, steps {', '.join(f'{s.wall_seconds:.1f}' for s in r.steps)} s)",
-                      file=sys.stderr, flush=True)
-            baselines = baselines or results
-            rows.append(_row(results, baselines))
 
 
 if __name__ == "__main__":
