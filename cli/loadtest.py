@@ -527,7 +527,7 @@ async def _summarize(h: _Harness, steps: list[StepRecord], total_seconds: float)
         "scheduler_peak_rss_mib": h.scheduler.peak_rss_mib(),
         "memory": memory_verdict(rss),
         "worker_store": h.workers.store_stats(),
-        "metrics_completions_total": await asyncio.to_thread(_scrape_completions, h.scheduler.http_port),
+        **await asyncio.to_thread(_scrape_counts, h.scheduler.http_port),
     }
     if h.redis_url:
         out["redis"] = await _redis_info(h.redis_url)
@@ -555,14 +555,21 @@ def _finite(value):
     return value
 
 
-def _scrape_completions(http_port: int) -> float:
+_SCRAPED = {  # summary field <- the scheduler's series (over the whole run: setup and policy updates too)
+    "metrics_completions_total": "bubblespec_completions_total",
+    "worker_messages_received": 'bubblespec_worker_stream_messages_total{direction="received"}',
+    "worker_messages_sent": 'bubblespec_worker_stream_messages_total{direction="sent"}',
+}
+
+
+def _scrape_counts(http_port: int) -> dict[str, float]:
+    """The ``_SCRAPED`` series from the scheduler's ``/metrics`` (NaN for one it lacks)."""
     from urllib.request import urlopen
 
     with urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith("bubblespec_completions_total "):
-                return float(line.split()[1])
-    return math.nan
+        values = dict(line.rsplit(" ", 1) for line in resp.read().decode().splitlines()
+                      if line and not line.startswith("#"))
+    return {name: float(values.get(series, math.nan)) for name, series in _SCRAPED.items()}
 
 
 async def _redis_info(url: str) -> dict:
@@ -611,6 +618,10 @@ def summary_text(result: LoadResult) -> str:
         verdict += (f" (last-5 median {m['growth_mib']:+.1f} MiB vs steps 3-7, allowed {m['allowed_mib']:.1f}; "
                     f"slope {m['slope_mib_per_step']:+.2f} MiB/step)")
     ws = s["worker_store"]
+
+    def per(direction: str) -> str:
+        return f"{s['worker_messages_' + direction] / s['completions']:.2f}" if s["completions"] else "n/a"
+
     lines = [
         (f"completions: {s['completions']} delivered, {s['duplicates']} duplicates, {s['missing']} missing or "
          f"unexpected (scheduler's bubblespec_completions_total: {s['metrics_completions_total']:.0f})"),
@@ -619,6 +630,9 @@ def summary_text(result: LoadResult) -> str:
          f"scheduler CPU {s['scheduler_cpu_ms_per_completion']:.2f} ms per completion; machine reference "
          f"{s['reference_ms']:.0f} ms, cores' probe {_ms(s.get('core_probe_ms'))} during the steps "
          f"(bench/machine.py: lower is faster)"),
+        (f"worker streams: {s['worker_messages_received']:.0f} messages received, "
+         f"{s['worker_messages_sent']:.0f} sent over the run, {per('received')} and {per('sent')} per completion "
+         f"(a batch counts once; bubblespec_worker_stream_messages_total)"),
         (f"dispatch latency over all {s['dispatch_n']} requests: p50 {s['dispatch_p50_ms']:.2f} ms, "
          f"p99 {s['dispatch_p99_ms']:.2f} ms (first wave, {s['first_wave_n']}: p50 {s['first_wave_p50_ms']:.2f} / "
          f"p99 {s['first_wave_p99_ms']:.2f} ms; refills, {s['refill_n']}: p50 {s['refill_p50_ms']:.2f} / "

@@ -94,6 +94,9 @@ SCHEDULER_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("bubblespec_draft_prompts_covered", "gauge", "Upcoming prompts with at least one draft made."),
     MetricSpec("bubblespec_weight_load_seconds", "histogram", "Seconds a worker took to load new policy weights."),
     MetricSpec("bubblespec_weight_load_failures_total", "counter", "Policy loads a worker reported as failed."),
+    MetricSpec("bubblespec_worker_stream_messages_total", "counter",
+               "Messages on the workers' streams, a batch counting once, by direction (received, sent).",
+               ("direction",)),
     MetricSpec("bubblespec_grpc_requests_total", "counter",
                "gRPC calls served, by full method name and final status code.", ("method", "code")),
     MetricSpec("bubblespec_draft_store_up", "gauge",
@@ -242,6 +245,9 @@ class SchedulerMetrics(Collector):
         yield from self._collect_core()
         yield from self._collect_tally()
         yield from self._collect_store()
+        counts = self.service.worker_messages
+        yield family(_SPECS["bubblespec_worker_stream_messages_total"],
+                     [(("received",), counts.received), (("sent",), counts.sent)])
         journal = self.service.journal
         if journal is not None:
             yield family(_SPECS["bubblespec_journal_rejected_total"], [((), journal.rejected)])

@@ -80,6 +80,17 @@ class WorkerLink:
         self.outbox.put_nowait(END)
 
 
+@dataclass
+class WorkerMessages:
+    """Messages on the workers' streams, a batch counting once
+    (``bubblespec_worker_stream_messages_total``): a gRPC message costs the scheduler CPU of its
+    own, whatever it carries (docs/LOAD.md), so messages per completion tell how well the
+    workers' completions and the scheduler's assignments batch."""
+
+    received: int = 0
+    sent: int = 0
+
+
 class SchedulerService:
     """The asyncio side of the scheduler: worker links, trainer subscriptions, policy update
     barriers, the journal. Feeds events to ``SchedulerCore`` and executes its actions
@@ -99,6 +110,7 @@ class SchedulerService:
         self._resumed: list[asyncio.Future] = []  # pause(wait) calls in progress: a resume ends them
         self.control = ControlCalls(self._send)  # engine control calls fanned out to workers (control.py)
         self.transfer = WeightTransfer(core)  # vLLM's weight-transfer group (core/transfer.py)
+        self.worker_messages = WorkerMessages()  # counted by the WorkerLink servicer
 
     # --------------------------------------------------------------- actions --
 

@@ -137,6 +137,7 @@ class WorkerLinkServicer(pbg.WorkerLinkServicer):
 
     async def Connect(self, request_iterator, context):
         first = await anext(aiter(request_iterator), None)
+        self.service.worker_messages.received += first is not None  # the hello, joined or refused
         try:
             if first is None or first.WhichOneof("kind") != "hello":
                 raise InvalidRequest("hello", "the first worker message must be hello")
@@ -155,11 +156,13 @@ class WorkerLinkServicer(pbg.WorkerLinkServicer):
             await _abort(context, exc)
             return
         reader = asyncio.create_task(self._read(link.worker_id, request_iterator, link))
+        counts = self.service.worker_messages
         try:
             ended = False
             while not ended:  # what the outbox holds at once goes out together (assignment batches)
                 items, ended = link.drain(await link.outbox.get())
                 for msg in scheduler_messages(items, link.accepts_assign_batches, self.max_message_bytes):
+                    counts.sent += 1
                     yield msg
         finally:
             reader.cancel()
@@ -175,8 +178,10 @@ class WorkerLinkServicer(pbg.WorkerLinkServicer):
                                  ErrorCode.FAILED_PRECONDITION)
 
     async def _read(self, worker_id: str, request_iterator, link) -> None:
+        counts = self.service.worker_messages
         try:
             async for msg in request_iterator:
+                counts.received += 1
                 try:
                     feed(self.service, worker_id, msg)
                 except InvalidRequest as exc:

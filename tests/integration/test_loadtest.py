@@ -16,6 +16,8 @@ from bubblespec.cli.loadtest import (
     summary_text,
 )
 from bubblespec.client.types import FinishReason, SamplingParams
+from bubblespec.scheduler.wire import ASSIGN_BATCH_MAX
+from bubblespec.worker.agent import BATCH_MAX
 from bubblespec.worker.engine import EngineRequest
 from bubblespec.bench.load_engine import (
     EOS_TOKEN_ID,
@@ -131,6 +133,10 @@ async def test_small_loadtest_delivers_every_completion_once():
     assert s["worker_store"]["ops"] > 0 and s["redis"]["keys"] > 0
     assert s["reference_ms"] > 0 and f"machine reference {s['reference_ms']:.0f} ms" in summary_text(result)
     assert s["core_probe_ms"] > 0 and f"cores' probe {s['core_probe_ms']:.2f} ms" in summary_text(result)
+    # each worker's hello, and every completion in some message; every assignment in some message
+    assert s["worker_messages_received"] >= settings.workers + math.ceil(s["completions"] / BATCH_MAX)
+    assert s["worker_messages_sent"] >= math.ceil(s["completions"] / ASSIGN_BATCH_MAX)
+    assert f"{s['worker_messages_received']:.0f} messages received" in summary_text(result)
 
 
 @pytest.mark.timeout(120)

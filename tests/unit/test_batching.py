@@ -111,6 +111,30 @@ async def test_a_trainer_that_asks_for_batches_gets_each_completion_once_in_batc
     assert len(new) == 8 and collector.done
 
 
+async def test_the_worker_streams_messages_are_counted_a_batch_once():
+    """``bubblespec_worker_stream_messages_total``: every message each way, a batch once."""
+    scheduler = Scheduler(SchedulerSettings(host="127.0.0.1", grpc_port=0, http_port=-1,
+                                            core=CoreSettings(drafting=False)))
+    await scheduler.start()
+    worker = await FakeWorker(f"127.0.0.1:{scheduler.grpc_port}", "fw-m", capacity=16, auto=False,
+                              heartbeat_seconds=0, assign_batches=True).start()  # no heartbeats: a known count
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{scheduler.grpc_port}")
+    try:
+        await wait_until(lambda: "fw-m" in scheduler.core.workers, what="the worker to join")
+        call = pbg.RolloutStub(channel).Generate(generate_request("s", PROMPTS, GREEDY, n=2), timeout=30)
+        await wait_until(lambda: len(worker.assignments) == 8, what="every request to be assigned")
+        worker.send(_batch_of(worker, sorted(worker.assignments)))  # 8 completions, one message
+        msgs = [m async for m in call]
+        text = scheduler.metrics.render()[0].decode()
+    finally:
+        await _close(scheduler, worker, channel)
+    assert msgs[-1].WhichOneof("event") == "summary"
+    sent = len(worker.received)  # what the scheduler handed to the stream, all of it read by the worker
+    assert any(m.WhichOneof("kind") == "assigns" for m in worker.received) and 1 <= sent < 8  # batched
+    assert 'bubblespec_worker_stream_messages_total{direction="received"} 2.0' in text  # the hello, the batch
+    assert f'bubblespec_worker_stream_messages_total{{direction="sent"}} {sent:.1f}' in text
+
+
 def _completion(prompt_id: str, index: int) -> pb.Completion:
     c = Completion("s", prompt_id, index, (4, 5), (-0.1, -0.2), "", FinishReason.STOP, 0, "w", 2,
                    Provenance(forward_passes=2))

@@ -32,7 +32,7 @@ from tests.support.clock import FakeClock
 
 ROOT = Path(__file__).resolve().parents[2]
 WALL = 1_700_000_000.0
-ALLOWED_LABELS = {"worker", "source", "method", "code"}
+ALLOWED_LABELS = {"worker", "source", "method", "code", "direction"}
 BASE_UNITS = ("seconds", "bytes", "ratio")
 FOREIGN_UNITS = {"ms", "millis", "milliseconds", "us", "microseconds", "ns", "nanoseconds", "minutes", "hours",
                  "days", "kb", "mb", "gb", "kib", "mib", "gib", "kilobytes", "megabytes", "percent", "pct"}
