@@ -86,6 +86,8 @@ class BenchConfig:
     """The scheduler's ``move_long_requests``."""
     min_tokens_to_move: int = CoreSettings.min_tokens_to_move
     """The scheduler's ``min_tokens_to_move``."""
+    move_to_workers_running_at_most: int = CoreSettings.move_to_workers_running_at_most
+    """The scheduler's ``move_to_workers_running_at_most``."""
     seed: int = 0
     runs: int = 1
     """Times every arm runs (on the same engines, arm order rotated per run); the table gives
@@ -393,7 +395,7 @@ def _config(args) -> BenchConfig:
                        draft_beside_first_step=args.draft_beside_first_step, spread_samples=args.spread_samples,
                        min_requests_beside_draft_jobs_at_tail=args.min_requests_beside_draft_jobs_at_tail,
                        move_long_requests=args.move_long_requests, min_tokens_to_move=args.min_tokens_to_move,
-                       runs=args.runs)
+                       move_to_workers_running_at_most=args.move_to_workers_running_at_most, runs=args.runs)
 
 
 def _tell_results(say, report: dict, cfg: BenchConfig) -> None:
@@ -434,7 +436,8 @@ def main(args) -> int:
         core = CoreSettings(max_draft_jobs_during_step=None if cfg.draft_jobs_during_step < 0 else cfg.draft_jobs_during_step,
                             draft_beside_first_step=cfg.draft_beside_first_step, spread_samples=cfg.spread_samples,
                             min_requests_beside_draft_jobs_at_tail=cfg.min_requests_beside_draft_jobs_at_tail,
-                            move_long_requests=cfg.move_long_requests, min_tokens_to_move=cfg.min_tokens_to_move)
+                            move_long_requests=cfg.move_long_requests, min_tokens_to_move=cfg.min_tokens_to_move,
+                            move_to_workers_running_at_most=cfg.move_to_workers_running_at_most)
         if cfg.draft_jobs_beside_requests >= 0:
             core = replace(core, max_draft_jobs_beside_requests=cfg.draft_jobs_beside_requests)
         cluster = Cluster(SchedulerSettings(host="127.0.0.1", grpc_port=0, http_port=0, tokenizer=args.model, core=core),

@@ -99,6 +99,10 @@ def _parser() -> argparse.ArgumentParser:
                         "CoreSettings.move_long_requests (default: %(default)s)")
     p.add_argument("--min-tokens-to-move", type=int, default=CoreSettings.min_tokens_to_move,
                    help="a request moves only once it has this many tokens, CoreSettings.min_tokens_to_move")
+    p.add_argument("--move-to-workers-running-at-most", type=int, default=CoreSettings.move_to_workers_running_at_most,
+                   help="a worker running at most this many requests and no draft job also takes over a long "
+                        "request from a batch two or more fuller, CoreSettings.move_to_workers_running_at_most "
+                        "(default: %(default)s; 0: only a worker with nothing to run)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (lengths, acceptance); every policy sees the same")
     p.add_argument("--seeds", type=int, default=1,
                    help="run seeds --seed .. --seed+N-1; a row shows medians over them and each seed's speedup")
@@ -198,7 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                              spread_samples=args.spread_samples,
                                              min_requests_beside_draft_jobs_at_tail=args.min_requests_beside_draft_jobs_at_tail,
                                              move_long_requests=args.move_long_requests,
-                                             min_tokens_to_move=args.min_tokens_to_move))
+                                             min_tokens_to_move=args.min_tokens_to_move,
+                                             move_to_workers_running_at_most=args.move_to_workers_running_at_most))
     print(f"profile {profile.name} ({profile.source}); requests/step {args.requests}, {args.samples} samples/prompt, "
           f"capacity {args.capacity}, {args.steps} steps, seeds {args.seed}..{args.seed + max(1, args.seeds) - 1}; "
           f"machine reference {reference_ms():.0f} ms (bench/machine.py: lower is faster)", flush=True)

@@ -2,9 +2,11 @@
 
 At a step's tail, workers that finished their share idle while the step's longest requests run
 on in other workers' batches, where every pass costs its fixed part plus each other sequence.
-With ``CoreSettings.move_long_requests`` (on by default), a worker that runs out of work takes
-over the running request with the most tokens so far (under long-tailed lengths, the further
-along, the further to go) from the worker with the fullest batch that runs one:
+With ``CoreSettings.move_long_requests`` (on by default), a worker that runs out of work, or
+runs at most ``move_to_workers_running_at_most`` requests and no draft job, takes over the
+running request with the most tokens so far (under long-tailed lengths, the further along, the
+further to go) from the worker with the fullest batch that runs one, if that batch holds at
+least two requests more than its own (the request then shares its passes with fewer others):
 
 1. as the worker runs out of work (or at a later ``tick``), the core asks the other worker to
    stop the request and send what it generated (``Abort(keep_partial=True)``);
@@ -78,8 +80,9 @@ class Mover:
         sources = sorted((o for o in core.workers.values() if len(o.running) >= 2 and o.hello.accepts_resume),
                          key=lambda o: (-len(o.running), o.hello.worker_id))  # ties by id: the same choice every run
         self._sources = [o.hello.worker_id for o in sources[:SOURCES_LOOKED_AT]]
-        idle = [w for w in core.workers.values() if self._can_take(w)]
-        if not idle:
+        takers = sorted((w for w in core.workers.values() if self._can_take(w)),
+                        key=lambda w: len(w.running))  # emptiest first (ties: the order they joined)
+        if not takers:
             return []
         actions: list[Action] = []
         for source in sources:
@@ -87,24 +90,24 @@ class Mover:
             if req is None:
                 continue
             mode = req.spec.sampling.logprobs_mode
-            target = next((w for w in idle if w.version == source.version and mode in ("", w.hello.logprobs_mode)), None)
+            target = next((w for w in takers if _relieves(source, w) and mode in ("", w.hello.logprobs_mode)), None)
             if target is None:
                 continue
-            idle.remove(target)
+            takers.remove(target)
             actions.append(self._start(req, source, target))
-            if not idle:
+            if not takers:
                 break
         return actions
 
     def take_for(self, w: WorkerState) -> list[Action]:
-        """``w`` just ran out of work: it takes over the best request of the fullest batches
-        seen at the last ``tick`` (the first ``SOURCES_LOOKED_AT``), if one has a movable one;
-        ``tick`` pairs the rest."""
+        """``w`` just ran out of work, or nearly (``_can_take``): it takes over the best request
+        of the fullest batches seen at the last ``tick`` (the first ``SOURCES_LOOKED_AT``), if
+        one has a movable one and two requests more than ``w``; ``tick`` pairs the rest."""
         if not self._can_take(w):
             return []
         for wid in self._sources:
             source = self.core.workers.get(wid)
-            if source is None or source is w or len(source.running) < 2 or source.version != w.version:
+            if source is None or not _relieves(source, w):
                 continue
             req = self._best_on(source)
             if req is not None and req.spec.sampling.logprobs_mode in ("", w.hello.logprobs_mode):
@@ -112,8 +115,12 @@ class Mover:
         return []
 
     def _can_take(self, w: WorkerState) -> bool:
-        """``w`` has no request, can continue one, has weights that serve, and no move to it is under way."""
-        return (not w.running and w.hello.accepts_resume and w.loading is None and w.load_failed is None
+        """``w`` runs no request, or at most ``move_to_workers_running_at_most`` and no draft
+        job (no draft job runs beside a moved request: taking one would stop the drafts it makes
+        for the next step); it can continue a request, has weights that serve, and no move to it
+        is under way."""
+        light = not w.running or (not w.drafts and len(w.running) <= self.core.settings.move_to_workers_running_at_most)
+        return (light and w.hello.accepts_resume and w.loading is None and w.load_failed is None
                 and self._free(w))
 
     @staticmethod
@@ -192,6 +199,12 @@ class Mover:
         return (step.active and step.spec.straggler_watch and not sampling.stop
                 and (step.spec.use_drafts or sampling.seed is None)
                 and not req.done and req.moving_to is None and req.moved_from is None and not req.failures)
+
+
+def _relieves(source: WorkerState, target: WorkerState) -> bool:
+    """A request of ``source`` would share its passes with fewer others on ``target`` (which
+    runs at least two requests fewer), under the same weights."""
+    return target is not source and len(target.running) + 2 <= len(source.running) and target.version == source.version
 
 
 def _checked(partial: Completion, req: RequestState, limits: ModelLimits | None) -> Completion:

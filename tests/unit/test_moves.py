@@ -200,3 +200,43 @@ def test_a_move_the_core_called_off_frees_its_worker_for_another():
     core.tick()
     assert core.workers["b"].incoming is None
     assert of(core.on_aborted("a", first, "moved", partial_of(on_a[-1], 7)), Ignored)  # a late partial: ignored
+
+
+def lightly_loaded(lookahead=(), **settings):
+    """Worker a runs four requests of one step (the last furthest along), worker b two (it will
+    finish one); none of them has the tokens a move needs yet."""
+    core, _ = make_core(move_long_requests=True, min_tokens_to_move=4, **settings)
+    core.add_worker(resumable("a", capacity=4))
+    core.add_worker(resumable("b", capacity=2))
+    assigns = of(core.submit_step(step("s", 6, lookahead=lookahead)), Assign)
+    on_a = [x for x in assigns if x.worker_id == "a"]
+    on_b = [x for x in assigns if x.worker_id == "b"]
+    assert (len(on_a), len(on_b)) == (4, 2)
+    for i, x in enumerate(on_a):
+        core.on_progress("a", x.request.key, 5 + i)
+    return core, on_a, on_b
+
+
+def test_a_lightly_loaded_worker_takes_over_from_a_batch_two_requests_fuller():
+    core, on_a, on_b = lightly_loaded()
+    (abort,) = of(finish_then_tick(core, on_b[0]), Abort)  # b runs one, a four
+    assert (abort.worker_id, abort.key) == ("a", on_a[-1].request.key)
+    moved = core.on_aborted("a", abort.key, "moved", partial_of(on_a[-1], 8))
+    (assign,) = of(moved, Assign)
+    assert (assign.worker_id, assign.request.key) == ("b", abort.key)
+    assert core.workers["b"].running == {on_b[1].request.key, abort.key}
+    # 0: only a worker with nothing to run takes one (the rule before)
+    core, _, on_b = lightly_loaded(move_to_workers_running_at_most=0)
+    assert not of(finish_then_tick(core, on_b[0]), Abort)
+
+
+def test_no_move_to_a_batch_only_one_request_lighter_or_to_a_worker_drafting_for_the_next_step():
+    core, on_a, on_b = lightly_loaded()
+    complete(core, on_a[0])
+    complete(core, on_a[1])  # a runs two
+    assert not of(finish_then_tick(core, on_b[0]), Abort)  # b would run two beside its one: nothing gained
+    core, _, on_b = lightly_loaded(lookahead=[(7, 8, 9)])
+    done = finish_then_tick(core, on_b[0])  # b drafts the upcoming prompt beside its last request
+    assert core.workers["b"].drafts and not of(done, Abort)
+    core, _, on_b = lightly_loaded(lookahead=[(7, 8, 9)], max_draft_jobs_beside_requests=0)
+    assert of(finish_then_tick(core, on_b[0]), Abort)  # no draft job beside it: b takes one
