@@ -86,9 +86,9 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
          "(CoreSettings.move_long_requests; docs/SIMULATOR.md)")
     _add(p, "min-tokens-to-move", defaults.min_tokens_to_move, "a request moves only once it has generated this many "
          "tokens (CoreSettings.min_tokens_to_move)")
-    _add(p, "move-to-workers-running-at-most", defaults.move_to_workers_running_at_most, "a worker running at most this "
-         "many requests and no draft job also takes over a long request from a batch two or more fuller "
-         "(CoreSettings.move_to_workers_running_at_most; 0: only a worker with nothing to run)")
+    _add(p, "move-to-workers-running-at-most", defaults.move_to_workers_running_at_most, "in a step without drafts, a worker "
+         "running at most this many requests and no draft job also takes over a long request from a batch more than "
+         "twice its own (CoreSettings.move_to_workers_running_at_most; 0: only a worker with nothing to run)")
 
 
 def _engine_flags(p: argparse.ArgumentParser, speculative_tokens: int = 8, draft_token_seconds: float = 0.0) -> None:
@@ -201,8 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
          "request, going on from what it generated (the scheduler's default)")
     _add(bench, "min-tokens-to-move", CoreSettings.min_tokens_to_move, "a request moves only once it has this many "
          "tokens (the scheduler's default)")
-    _add(bench, "move-to-workers-running-at-most", CoreSettings.move_to_workers_running_at_most, "a worker running at "
-         "most this many requests and no draft job also takes over a long request (the scheduler's default)")
+    _add(bench, "move-to-workers-running-at-most", CoreSettings.move_to_workers_running_at_most, "in a step without "
+         "drafts, a worker running at most this many requests also takes over a long request (the scheduler's default)")
     _add(bench, "runs", 1, "times every arm runs on the same engines (arm order rotated per run); "
          "the table gives each run's speedup and their median")
     _add(bench, "json", "", "write the report here")

@@ -100,9 +100,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--min-tokens-to-move", type=int, default=CoreSettings.min_tokens_to_move,
                    help="a request moves only once it has this many tokens, CoreSettings.min_tokens_to_move")
     p.add_argument("--move-to-workers-running-at-most", type=int, default=CoreSettings.move_to_workers_running_at_most,
-                   help="a worker running at most this many requests and no draft job also takes over a long "
-                        "request from a batch two or more fuller, CoreSettings.move_to_workers_running_at_most "
-                        "(default: %(default)s; 0: only a worker with nothing to run)")
+                   help="in a step without drafts, a worker running at most this many requests and no draft job "
+                        "also takes over a long request from a batch more than twice its own, "
+                        "CoreSettings.move_to_workers_running_at_most (default: %(default)s; 0: only a worker "
+                        "with nothing to run)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (lengths, acceptance); every policy sees the same")
     p.add_argument("--seeds", type=int, default=1,
                    help="run seeds --seed .. --seed+N-1; a row shows medians over them and each seed's speedup")

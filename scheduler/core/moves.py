@@ -2,11 +2,12 @@
 
 At a step's tail, workers that finished their share idle while the step's longest requests run
 on in other workers' batches, where every pass costs its fixed part plus each other sequence.
-With ``CoreSettings.move_long_requests`` (on by default), a worker that runs out of work, or
-runs at most ``move_to_workers_running_at_most`` requests and no draft job, takes over the
-running request with the most tokens so far (under long-tailed lengths, the further along, the
-further to go) from the worker with the fullest batch that runs one, if that batch holds at
-least two requests more than its own (the request then shares its passes with fewer others):
+With ``CoreSettings.move_long_requests`` (on by default), a worker that runs out of work takes
+over the running request with the most tokens so far (under long-tailed lengths, the further
+along, the further to go) from the worker with the fullest batch that runs one. A worker that
+runs at most ``move_to_workers_running_at_most`` requests and no draft job does the same for a
+request of a step without drafts, from a batch of at least twice its own and two more (there
+the request shares its passes with at most half as many others):
 
 1. as the worker runs out of work (or at a later ``tick``), the core asks the other worker to
    stop the request and send what it generated (``Abort(keep_partial=True)``);
@@ -90,7 +91,8 @@ class Mover:
             if req is None:
                 continue
             mode = req.spec.sampling.logprobs_mode
-            target = next((w for w in takers if _relieves(source, w) and mode in ("", w.hello.logprobs_mode)), None)
+            target = next((w for w in takers if _relieves(source, w) and _may_take(w, req)
+                           and mode in ("", w.hello.logprobs_mode)), None)
             if target is None:
                 continue
             takers.remove(target)
@@ -102,7 +104,8 @@ class Mover:
     def take_for(self, w: WorkerState) -> list[Action]:
         """``w`` just ran out of work, or nearly (``_can_take``): it takes over the best request
         of the fullest batches seen at the last ``tick`` (the first ``SOURCES_LOOKED_AT``), if
-        one has a movable one and two requests more than ``w``; ``tick`` pairs the rest."""
+        one has a movable one that ``w`` may take (``_relieves``, ``_may_take``); ``tick`` pairs
+        the rest."""
         if not self._can_take(w):
             return []
         for wid in self._sources:
@@ -110,7 +113,7 @@ class Mover:
             if source is None or not _relieves(source, w):
                 continue
             req = self._best_on(source)
-            if req is not None and req.spec.sampling.logprobs_mode in ("", w.hello.logprobs_mode):
+            if req is not None and _may_take(w, req) and req.spec.sampling.logprobs_mode in ("", w.hello.logprobs_mode):
                 return [self._start(req, source, w)]
         return []
 
@@ -202,9 +205,17 @@ class Mover:
 
 
 def _relieves(source: WorkerState, target: WorkerState) -> bool:
-    """A request of ``source`` would share its passes with fewer others on ``target`` (which
-    runs at least two requests fewer), under the same weights."""
-    return target is not source and len(target.running) + 2 <= len(source.running) and target.version == source.version
+    """A request of ``source`` would share its passes on ``target`` with at most half as many
+    others (``source`` runs at least twice ``target``'s requests and two more; an idle target:
+    any batch of two or more), under the same weights."""
+    return (target is not source and 2 * len(target.running) + 2 <= len(source.running)
+            and target.version == source.version)
+
+
+def _may_take(target: WorkerState, req: RequestState) -> bool:
+    """A worker with nothing to run takes any movable request; one still running some, only a
+    request of a step without drafts (``move_to_workers_running_at_most``)."""
+    return not target.running or not req.spec.use_drafts
 
 
 def _checked(partial: Completion, req: RequestState, limits: ModelLimits | None) -> Completion:

@@ -191,18 +191,18 @@ class CoreSettings:
     """A request moves only once it has generated this many tokens (short ones end before a
     move would pay for its prefill)."""
     move_to_workers_running_at_most: int = 8
-    """With ``move_long_requests``, a worker running at most this many requests and no draft job
-    (not only one that ran out of work) takes over a long request from a worker running at least
-    two more (``core/moves.py``). Every pass costs a part per sequence, so at a step's tail the
-    longest requests end sooner spread over lightly loaded workers than crowded in one batch; and
-    which of a group's same-aged samples is the longest cannot be told, so moving one at a time
-    to idle workers often moves the wrong one first. A worker running draft jobs keeps them (no
-    draft job runs beside a moved request; letting it take one shortened the next step's drafts
-    and slowed a 24-worker drafting case by 4-10%). 0: only a worker with nothing to run (the
-    rule before). The simulator (measured H100 profile, 3 seeds) gave ``queue`` 1.11x and 1.10x
-    of ``static`` at 64 and 512 workers against 1.08x and 1.09x at 0, queue+drafts 1.23x and
-    1.21x against 1.23x and 1.20x; at 8 workers x 512 requests (5 seeds) ``queue``'s lowest step
-    0.99x against 0.95x (docs/SIMULATOR.md)."""
+    """With ``move_long_requests``, in a step without drafts, a worker running at most this many
+    requests and no draft job (not only one that ran out of work) takes over a long request from
+    a batch of at least twice its own and two more (``core/moves.py``). Every pass costs a part
+    per sequence, so at a step's tail the longest requests end sooner spread over lightly loaded
+    workers than crowded in one batch, and which of a group's same-aged samples is the longest
+    cannot be told, so moving one at a time to idle workers often moves the wrong one first.
+    Drafted steps keep the rule before: letting their requests move too stopped the draft jobs
+    of the workers that took them (none runs beside a moved request) and lost at 24 and 1,024
+    workers. 0: only a worker with nothing to run. The simulator (3 seeds) gave ``queue``
+    1.11x and 1.11x of ``static`` at 64 and 512 workers against 1.08x and 1.09x at 0 (measured
+    H100 profile), 1.23x and 1.30x against 1.17x and 1.31x (context profile); at 8 workers x
+    512 requests (5 seeds) its lowest reported step 0.995x against 0.97x (docs/SIMULATOR.md)."""
     timeline_segments: int = 256
     """Timeline segments kept per worker (for the UI)."""
     max_active_steps: int = 16

@@ -202,13 +202,13 @@ def test_a_move_the_core_called_off_frees_its_worker_for_another():
     assert of(core.on_aborted("a", first, "moved", partial_of(on_a[-1], 7)), Ignored)  # a late partial: ignored
 
 
-def lightly_loaded(lookahead=(), **settings):
+def lightly_loaded(lookahead=(), use_drafts=False, **settings):
     """Worker a runs four requests of one step (the last furthest along), worker b two (it will
     finish one); none of them has the tokens a move needs yet."""
     core, _ = make_core(move_long_requests=True, min_tokens_to_move=4, **settings)
     core.add_worker(resumable("a", capacity=4))
     core.add_worker(resumable("b", capacity=2))
-    assigns = of(core.submit_step(step("s", 6, lookahead=lookahead)), Assign)
+    assigns = of(core.submit_step(step("s", 6, lookahead=lookahead, use_drafts=use_drafts)), Assign)
     on_a = [x for x in assigns if x.worker_id == "a"]
     on_b = [x for x in assigns if x.worker_id == "b"]
     assert (len(on_a), len(on_b)) == (4, 2)
@@ -217,7 +217,7 @@ def lightly_loaded(lookahead=(), **settings):
     return core, on_a, on_b
 
 
-def test_a_lightly_loaded_worker_takes_over_from_a_batch_two_requests_fuller():
+def test_a_lightly_loaded_worker_takes_over_from_a_batch_twice_its_own_and_two_more():
     core, on_a, on_b = lightly_loaded()
     (abort,) = of(finish_then_tick(core, on_b[0]), Abort)  # b runs one, a four
     assert (abort.worker_id, abort.key) == ("a", on_a[-1].request.key)
@@ -230,13 +230,18 @@ def test_a_lightly_loaded_worker_takes_over_from_a_batch_two_requests_fuller():
     assert not of(finish_then_tick(core, on_b[0]), Abort)
 
 
-def test_no_move_to_a_batch_only_one_request_lighter_or_to_a_worker_drafting_for_the_next_step():
+def test_no_move_to_a_worker_running_more_than_half_the_batch_or_drafting_or_of_a_drafted_step():
     core, on_a, on_b = lightly_loaded()
-    complete(core, on_a[0])
-    complete(core, on_a[1])  # a runs two
-    assert not of(finish_then_tick(core, on_b[0]), Abort)  # b would run two beside its one: nothing gained
-    core, _, on_b = lightly_loaded(lookahead=[(7, 8, 9)])
-    done = finish_then_tick(core, on_b[0])  # b drafts the upcoming prompt beside its last request
-    assert core.workers["b"].drafts and not of(done, Abort)
-    core, _, on_b = lightly_loaded(lookahead=[(7, 8, 9)], max_draft_jobs_beside_requests=0)
-    assert of(finish_then_tick(core, on_b[0]), Abort)  # no draft job beside it: b takes one
+    complete(core, on_a[0])  # a runs three
+    assert not of(finish_then_tick(core, on_b[0]), Abort)  # beside b's one it would share passes with one of two
+    for drafting in (True, False):  # b runs a draft job (another step's upcoming prompt) beside its last request
+        core, _, on_b = lightly_loaded()
+        complete(core, on_b[0])
+        if drafting:
+            core.workers["b"].drafts["job-0"] = (7, 8, 9)
+        assert bool(of(core.tick(), Abort)) is not drafting  # taking one would stop the job: no
+    # a step with drafts: a request moves only to a worker with nothing to run
+    core, on_a, on_b = lightly_loaded(use_drafts=True, max_draft_jobs_beside_requests=0)
+    assert not of(finish_then_tick(core, on_b[0]), Abort)
+    (abort,) = of(finish_then_tick(core, on_b[1]), Abort)
+    assert abort.key == on_a[-1].request.key

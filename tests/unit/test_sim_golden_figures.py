@@ -33,9 +33,10 @@ every other case runs without it and gives its figures to the bit; "queue+drafts
 "moves" case with it at 3 (39.54 / 47.54 / 35.77 s there, 39.66 / 47.55 / 35.07 s here).
 
 Moves to lightly loaded workers, not only idle ones (``CoreSettings.move_to_workers_running_at_most``,
-2026-11-26; 8 by default) are the next rule: "moves" and "tail" run it at 0, the rule before,
-and give their figures to the bit; "queue+drafts, moves to light workers" is the "moves" case
-at the default (39.54 / 47.54 / 35.77 s there, 39.31 / 47.54 / 35.76 s here).
+2026-11-26; 8 by default) are the next rule. It moves only requests of steps without drafts,
+so every drafting case gives its figures to the bit; "queue, moves to light workers" runs it
+(38.67 / 67.86 / 54.80 s and 23 / 20 / 20 requests moved with it at 0; 38.69 / 67.70 / 54.68 s
+and 80 / 92 / 63 moved here).
 """
 
 from __future__ import annotations
@@ -59,8 +60,7 @@ CPU_TINY_2026_11_22 = CostProfile("cpu-tiny-2026-11-22", 5.35e-3, 1.47e-4, 6.24e
 
 BEFORE_BESIDE = SimSettings(core=CoreSettings(max_draft_jobs_beside_requests=0, move_long_requests=False))
 BEFORE_MOVES = SimSettings(core=CoreSettings(move_long_requests=False))
-MOVES_TO_IDLE = SimSettings(core=CoreSettings(move_to_workers_running_at_most=0))
-AT_TAIL = SimSettings(core=CoreSettings(min_requests_beside_draft_jobs_at_tail=3, move_to_workers_running_at_most=0))
+AT_TAIL = SimSettings(core=CoreSettings(min_requests_beside_draft_jobs_at_tail=3))
 
 CASES = {
     "queue+drafts": dict(policy="queue", workers=24, requests_per_step=1536, steps=3, profile=GPU_H100_7B,
@@ -68,9 +68,9 @@ CASES = {
     "queue+drafts, beside requests": dict(policy="queue", workers=24, requests_per_step=1536, steps=3,
                                           profile=GPU_H100_7B, drafting=True, settings=BEFORE_MOVES),
     "queue+drafts, moves": dict(policy="queue", workers=24, requests_per_step=1536, steps=3,
-                                profile=GPU_H100_7B, drafting=True, settings=MOVES_TO_IDLE),
-    "queue+drafts, moves to light workers": dict(policy="queue", workers=24, requests_per_step=1536, steps=3,
-                                                 profile=GPU_H100_7B, drafting=True),
+                                profile=GPU_H100_7B, drafting=True),
+    "queue, moves to light workers": dict(policy="queue", workers=24, requests_per_step=1536, steps=3,
+                                          profile=GPU_H100_7B, drafting=False),
     "queue+drafts, tail": dict(policy="queue", workers=24, requests_per_step=1536, steps=3,
                                profile=GPU_H100_7B, drafting=True, settings=AT_TAIL),
     "static": dict(policy="static", workers=24, requests_per_step=1536, steps=2, profile=GPU_H100_7B, drafting=False),
@@ -115,11 +115,11 @@ GOLDEN = {
         (47.53705432001265, 421830, 507497, 1534808, 661.207716939052, 104.520476041854, 375.16111069939757, 1536, 1800),
         (35.770236450764585, 401997, 517087, 1568846, 514.8880730918577, 106.62277453142597, 236.97482719506627, 1536, 1779),
     ], 10247),
-    'queue+drafts, moves to light workers': ([
-        (39.314624720913635, 908770, 0, 0, 685.9388465588909, 81.2921226653257, 176.32002407771074, 0, 1688),
-        (47.537689754202965, 423493, 505834, 1532538, 638.91695534075, 93.02068507083406, 408.96691368928725, 1536, 1702),
-        (35.761667554929204, 402682, 516402, 1565130, 512.3088251608262, 129.56998038644466, 216.40121577103, 1536, 1651),
-    ], 10230),
+    'queue, moves to light workers': ([
+        (38.68655, 908770, 0, 0, 664.9195047074832, 263.55769529251677, 0.0, 0, 0),
+        (67.69702499999993, 929327, 0, 0, 940.5830634868644, 684.1455365131338, 0.0, 0, 0),
+        (54.6781, 919084, 0, 0, 819.8258210732846, 492.44857892671524, 0.0, 0, 0),
+    ], 4466),
     'queue+drafts, tail': ([
         (39.656752291382055, 908770, 0, 0, 693.3742804183925, 75.57993266072022, 182.80784191405644, 0, 1863),
         (47.5467996033827, 422678, 506649, 1532939, 653.1709135706951, 206.0700648782358, 281.88221203225396, 1536, 1802),
