@@ -69,6 +69,9 @@ class Mover:
         self._sources: list[str] = []
         """Workers by how full their batch was at the last ``tick``, fullest first (``take_for``
         looks at the first few: one worker running out of work must not cost a pass over all)."""
+        self._undrafted = False
+        """Whether a step without drafts was running at the last ``tick``: where none is, a
+        worker that still runs requests takes none (``_may_take``), so it looks at no source."""
 
     def tick(self) -> list[Action]:
         """Pair the idle workers that can take a moved request with the requests to move, and
@@ -81,6 +84,7 @@ class Mover:
         sources = sorted((o for o in core.workers.values() if len(o.running) >= 2 and o.hello.accepts_resume),
                          key=lambda o: (-len(o.running), o.hello.worker_id))  # ties by id: the same choice every run
         self._sources = [o.hello.worker_id for o in sources[:SOURCES_LOOKED_AT]]
+        self._undrafted = any(s.active and not s.spec.use_drafts and s.spec.straggler_watch for s in core.steps.values())
         takers = sorted((w for w in core.workers.values() if self._can_take(w)),
                         key=lambda w: len(w.running))  # emptiest first (ties: the order they joined)
         if not takers:
@@ -122,7 +126,8 @@ class Mover:
         job (no draft job runs beside a moved request: taking one would stop the drafts it makes
         for the next step); it can continue a request, has weights that serve, and no move to it
         is under way."""
-        light = not w.running or (not w.drafts and len(w.running) <= self.core.settings.move_to_workers_running_at_most)
+        light = not w.running or (self._undrafted and not w.drafts
+                                   and len(w.running) <= self.core.settings.move_to_workers_running_at_most)
         return (light and w.hello.accepts_resume and w.loading is None and w.load_failed is None
                 and self._free(w))
 
