@@ -593,8 +593,7 @@ class SchedulerCore(CoreView):
         actions += self._fill(w)
         if req.moving_to is not None:  # it finished before its worker stopped it: the move is off
             self.mover.cancel(req)
-        if len(w.running) <= self.settings.move_to_workers_running_at_most and self.settings.move_long_requests:
-            # out of work, or nearly: take over a long request from a fuller batch
+        if self.settings.move_long_requests:  # out of work, or nearly (``Mover._can_take``): take over a long request
             actions += self.mover.take_for(w)
         return actions
 
