@@ -36,6 +36,8 @@ class SchedulingPolicy(str, enum.Enum):
 class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
+    ABORT = "abort"
+    """Stopped by a ``/pause?mode=abort`` before its end (vLLM's ``abort``): what it generated."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,10 @@ class Completion:
     worker_id: str = ""
     prompt_tokens: int = 0
     provenance: Provenance = field(default_factory=Provenance)
+    version_spans: tuple[tuple[int, int], ...] = ()
+    """(first token index, policy version) of each span of ``token_ids`` made with one policy
+    version, where a request went on across a policy update (``/pause?mode=keep``); () when
+    ``policy_version`` made every token."""
 
     @property
     def key(self) -> tuple[str, str, int]:

@@ -2,16 +2,19 @@
 ``/v1/completions`` and ``/v1/chat/completions`` (``openai_chat``) with vLLM 0.32's request and
 response shapes, for the subset in docs/INTEGRATIONS.md.
 
-Each completions or chat call is one BubbleSpec step (id ``http-<uuid>``) at the scheduler's current
-policy version, validated by ``build_step`` like a gRPC Generate and run by
-``SchedulerService.run_step``: drafting, straggler watch and exactness apply, and concurrent
-calls are concurrent steps. A refused request is an OpenAI error ``{"error": {message, type,
+Each completions or chat call is validated by ``build_step`` like a gRPC Generate and joins the
+cluster's work as independent requests (``SchedulerService.run_requests``, ``core/pool.py``):
+drafting, straggler watch, moves and exactness apply, calls with the same prompt are one group,
+and the number of calls in flight is bounded only by the pool's limits (a full pool answers 429
+with ``Retry-After``). A refused request is an OpenAI error ``{"error": {message, type,
 param, code}}`` naming the OpenAI parameter, and changes no state. ``logprobs`` is 0 or 1:
 BubbleSpec returns the sampled token's logprob only, not the top-k alternatives.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -36,7 +39,7 @@ STATUS = {ErrorCode.INVALID_ARGUMENT: 400, ErrorCode.FAILED_PRECONDITION: 400, E
           ErrorCode.RESOURCE_EXHAUSTED: 413, ErrorCode.INTERNAL: 500}
 """HTTP status of an ``InvalidRequest`` code, on every OpenAI-shaped route of the scheduler."""
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 409: "ConflictError",
-          413: "BadRequestError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+          413: "BadRequestError", 429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 # Fields of vLLM's CompletionRequest that BubbleSpec does not implement: refused unless left at
 # their default, so that no request is silently answered under other semantics than it asked for.
 _UNSUPPORTED = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),
@@ -56,17 +59,21 @@ def openai_param(field: str) -> str | None:
     return None if field in ("step_id", "workers", "request") else field
 
 
-def error(status: int, message: str, param: str | None = None) -> JSONResponse:
+def error(status: int, message: str, param: str | None = None, retry_after: float | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": _TYPES.get(status, "BadRequestError"), "param": param,
                       "code": status}}
-    return JSONResponse(body, status_code=status)
+    headers = None if retry_after is None else {"Retry-After": str(max(1, round(retry_after)))}
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _refusal(exc: InvalidRequest, rename: dict[str, str] | None = None) -> JSONResponse:
-    """The OpenAI error for ``exc``; ``rename`` maps ``openai_param`` names to the route's own."""
+    """The OpenAI error for ``exc``; ``rename`` maps ``openai_param`` names to the route's own.
+    A refusal with a retry hint (a full queue) is 429 with ``Retry-After``, which clients retry."""
     param = openai_param(exc.field)
     param = (rename or {}).get(param, param)
     message = str(exc) if param is None else f"{param}: {str(exc).split(': ', 1)[-1]}"
+    if exc.retry_after is not None:
+        return error(429, message, param, exc.retry_after)
     return error(STATUS.get(exc.code, 500), message, param)
 
 
@@ -148,7 +155,7 @@ def _logprobs(ids, lps, decode) -> dict:
 
 
 def _choice(c, index: int, spec, body: dict, token) -> dict:
-    prompt_ids = spec.prompts[int(c.prompt_id[1:])].token_ids
+    prompt_ids = spec.prompts[index // spec.sampling.n].token_ids
     choice = {"index": index, "text": c.text, "finish_reason": c.finish_reason.value, "stop_reason": None,
               "logprobs": None if body.get("logprobs") is None else _logprobs(c.token_ids, c.logprobs, token)}
     if body.get("return_token_ids"):
@@ -203,11 +210,8 @@ class _Completions:
 
     async def completions(self, spec):
         """(index, choice, completion) per finished choice, in the order they finish."""
-        n = spec.sampling.n
-        async for item in self.scheduler.service.run_step(spec):
-            for c in item if isinstance(item, list) else ():  # completions; the summary is not a choice
-                index = int(c.prompt_id[1:]) * n + c.sample_index
-                yield index, self.choice(c, index, spec), c
+        async for index, c in self.scheduler.service.run_requests(spec):
+            yield index, self.choice(c, index, spec), c
 
     def envelope(self, choices: list, usage: dict | None) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
@@ -325,9 +329,34 @@ async def _serve(scheduler: SchedulerApp, request: Request, kind: type[_Completi
         if body.get("model") and body.get("model") != call.model:  # vLLM: no model = the served one
             return error(404, f"The model `{body.get('model')}` does not exist.", "model")
         spec = call.build()
-        if body.get("stream"):  # refusals (paused, version loading) must come before the 200 of a stream
-            scheduler.service.core.check_step(spec)
+        if body.get("stream"):  # refusals (a full queue, no worker) must come before the 200 of a stream
+            scheduler.service.core.check_requests(spec)
             return StreamingResponse(call.stream(spec), media_type="text/event-stream")
-        return JSONResponse(await call.whole(spec))
+        answer = await until_disconnected(request, call.whole(spec))
+        return Response(status_code=499) if answer is None else JSONResponse(answer)
     except InvalidRequest as exc:
         return _refusal(exc, rename)
+
+
+async def until_disconnected(request: Request, work):
+    """Await ``work`` unless the caller disconnects first: then cancel it (its requests are
+    aborted on the workers, ``SchedulerService.run_requests``) and return None, as vLLM's
+    ``with_cancellation`` does. A stream needs none of this: Starlette cancels it."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler is cancelled: the work never outlives its caller
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled() or not task.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return None
+    return task.result()
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

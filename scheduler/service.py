@@ -20,6 +20,7 @@ from bubblespec.scheduler.control import ControlCalls
 from bubblespec.scheduler.core.checks import check_replayed
 from bubblespec.scheduler.core.events import WorkerEvent, WorkerJoined, WorkerLeft
 from bubblespec.scheduler.core.pause import PauseMode
+from bubblespec.scheduler.core.pool import POOL
 from bubblespec.scheduler.core.state import SchedulerCore
 from bubblespec.scheduler.core.transfer import WeightTransfer
 from bubblespec.scheduler.core.types import (
@@ -35,6 +36,7 @@ from bubblespec.scheduler.core.types import (
     PolicyFailed,
     PolicyLoadReported,
     PolicyReady,
+    RequestFailed,
     StartDraft,
     StepFailed,
     StepFinished,
@@ -104,6 +106,7 @@ class SchedulerService:
         self.orphan_grace_seconds = orphan_grace_seconds
         self.links: dict[str, WorkerLink] = {}
         self.subscribers: dict[str, list[Pending]] = {}
+        self.callers: dict[str, Pending] = {}  # pool request key -> its call's queue (``run_requests``)
         self.barriers: list[tuple[int, asyncio.Future]] = []
         self.listeners: list[Callable[[Action], None]] = []  # metrics exporter, persistence
         self.draining = False
@@ -136,6 +139,10 @@ class SchedulerService:
                         self.control.lost(worker_id, f"disconnected before answering: {reason}")
                 case Deliver(step_id, completion):
                     self._deliver(step_id, completion)
+                case RequestFailed(key, _, message):
+                    logger.error("request %s failed: %s", key, message)
+                    if (caller := self.callers.get(key)) is not None:
+                        caller.put_nowait(action)
                 case StepFinished(step_id, summary):
                     self._publish(step_id, summary)
                     self._publish(step_id, END)
@@ -164,6 +171,11 @@ class SchedulerService:
                     logger.log(level, "worker %s: ignored: %s: %s", worker_id, field_, reason)
 
     def _deliver(self, step_id: str, completion: Completion) -> None:
+        if step_id == POOL:  # an independent call's request: to its caller only, never journaled
+            caller = self.callers.get(request_key(POOL, completion.prompt_id, completion.sample_index))
+            if caller is not None:
+                caller.put_nowait(completion)
+            return
         if self.journal is not None:
             key = request_key(step_id, completion.prompt_id, completion.sample_index)
             self.journal.save_completion(key, completion)
@@ -236,6 +248,33 @@ class SchedulerService:
                 if step is not None and step.active:  # the trainer went away mid-step
                     asyncio.get_running_loop().call_later(self.orphan_grace_seconds, self._cancel_orphan, spec.step_id)
 
+    async def run_requests(self, spec: StepSpec, single_version: bool = False) -> AsyncIterator[tuple[int, Completion]]:
+        """An independent call (``core/pool.py``): its requests join the cluster's work, and
+        each completion comes as it finishes, with its index in the call (prompt by prompt,
+        sample by sample). Raises ``InvalidRequest`` when the call is refused (nothing joined)
+        or a request failed every attempt; a caller that stops listening aborts what is left."""
+        if self.draining:
+            raise InvalidRequest("request", "the scheduler is shutting down", ErrorCode.UNAVAILABLE)
+        keys, actions = self.core.submit_requests(spec, single_version)
+        queue = Pending()
+        index = {key: i for i, key in enumerate(keys)}
+        for key in keys:
+            self.callers[key] = queue
+        try:
+            self.execute(actions)
+            while index:
+                await queue.wait()
+                for msg in queue.take():
+                    if isinstance(msg, RequestFailed):
+                        raise InvalidRequest(msg.field, msg.message, ErrorCode.INTERNAL)
+                    key = request_key(POOL, msg.prompt_id, msg.sample_index)
+                    yield index.pop(key), msg
+        finally:
+            for key in keys:
+                self.callers.pop(key, None)
+            if index:  # the caller went away (or one request failed): the rest is of no use
+                self.execute(self.core.cancel_requests(list(index)))
+
     async def _journaled(self, spec: StepSpec) -> dict:
         """Completions of this step that an earlier scheduler delivered (restart), if any."""
         if self.journal is None:
@@ -303,7 +342,7 @@ class SchedulerService:
             ended = loop.create_future()
 
             def wake(action, ended=ended) -> None:
-                if isinstance(action, (StepFinished, StepFailed)) and not ended.done():
+                if isinstance(action, (StepFinished, StepFailed, Deliver, RequestFailed)) and not ended.done():
                     ended.set_result(None)
 
             self.listeners.append(wake)

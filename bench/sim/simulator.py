@@ -92,6 +92,10 @@ class _Tokens(Sequence[int]):
 _new = object.__new__
 
 
+_UNUSED_COMPLETION_FIELDS = {"version_spans": ()}
+"""``Completion`` fields a simulated completion leaves at their defaults."""
+
+
 def _frozen(cls: type, fields: dict[str, object]) -> Any:
     """``cls(**fields)`` for a frozen dataclass given every one of its fields, in their order,
     without its ``__init__``, which sets each field through ``object.__setattr__`` (a
@@ -532,7 +536,7 @@ class _Simulation:
             "step_id": req.step_id, "prompt_id": req.prompt_id, "sample_index": req.sample_index,  # type: ignore[attr-defined]
             "token_ids": _Tokens(m.length), "logprobs": (), "text": "", "finish_reason": finish,
             "policy_version": req.policy_version, "worker_id": wid,  # type: ignore[attr-defined]
-            "prompt_tokens": self.workload.prompt_tokens, "provenance": provenance})
+            "prompt_tokens": self.workload.prompt_tokens, "provenance": provenance, **_UNUSED_COMPLETION_FIELDS})
 
     def _partial(self, wid: str, m: Member) -> Completion:
         """What a request stopped to move had generated (``Aborted.partial``): its tokens so far
@@ -551,7 +555,8 @@ class _Simulation:
             "token_ids": _Tokens(tokens), "logprobs": (), "text": "", "finish_reason": FinishReason.STOP,
             "policy_version": req.policy_version, "worker_id": wid,  # type: ignore[attr-defined]
             "prompt_tokens": self.workload.prompt_tokens,
-            "provenance": _frozen(Provenance, {"forward_passes": tokens - accepted, "sources": sources})})
+            "provenance": _frozen(Provenance, {"forward_passes": tokens - accepted, "sources": sources}),
+            **_UNUSED_COMPLETION_FIELDS})
 
     # ------------------------------------------------------------ actions --
 

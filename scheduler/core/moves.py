@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 from bubblespec.client.types import Completion
 from bubblespec.scheduler.core.checks import check_completion
+from bubblespec.scheduler.core.pool import continued
 from bubblespec.scheduler.core.types import Abort, Action, Ignored, InvalidRequest, ModelLimits, RequestsMoved, step_of
 
 if TYPE_CHECKING:
@@ -178,7 +179,7 @@ class Mover:
         except InvalidRequest as exc:
             return [Ignored(worker_id, exc.field, str(exc)),
                     *core._take_back(step, req, worker_id, f"its partial was refused: {exc}"), *core._fill_all()]
-        req.worker, req.moved_from, req.resume = None, worker_id, partial
+        req.worker, req.moved_from, req.resume = None, worker_id, continued(req.resume, partial)
         req.progress, req.progress_at = len(partial.token_ids), core.clock()
         step.moved += 1
         actions: list[Action] = [RequestsMoved(step.spec.step_id, (key,), resumed=True)]

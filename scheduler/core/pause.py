@@ -27,6 +27,7 @@ from dataclasses import replace
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
+from bubblespec.scheduler.core.pool import POOL
 from bubblespec.scheduler.core.types import Abort, Action, ErrorCode, InvalidRequest, RequestsMoved
 
 if TYPE_CHECKING:
@@ -70,8 +71,10 @@ class Pauser:
                                  "until POST /resume", ErrorCode.UNAVAILABLE)
 
     def waiting(self) -> list[str]:
-        """Active steps a ``wait`` pause waits for: every active step not held."""
-        return [sid for sid, s in self.core.steps.items() if s.active and sid not in self.held]
+        """Active steps a ``wait`` pause waits for: every active step not held; the pool
+        (``core/pool.py``) while requests admitted before the pause are still to run."""
+        return [sid for sid, s in self.core.steps.items() if s.active and sid not in self.held
+                and (sid != POOL or self.core.pool.waiting())]
 
     # ------------------------------------------------------------------- events --
 
@@ -81,27 +84,31 @@ class Pauser:
             raise InvalidRequest("mode", f"must be one of {', '.join(PAUSE_MODES)}, got {mode!r:.40}")
         self.paused, self.mode = True, PauseMode(mode)
         core = self.core
-        active = [s for s in core.steps.values() if s.active]
+        active = [s for s in core.steps.values() if s.active and s.spec.step_id != POOL]
         if self.mode is PauseMode.ABORT:
             self.held.clear()
-            return [a for s in active for a in core.cancel_step(s.spec.step_id)]
+            return core.pool.abort() + [a for s in active for a in core.cancel_step(s.spec.step_id)]
         if self.mode is PauseMode.WAIT:
             return []
         actions: list[Action] = []
         for step in active:
             actions += self._hold(step)
+        if core.pool.step is not None:
+            self.held.add(POOL)
+            actions += core.pool.hold()
         return actions + core._fill_all()  # the freed workers draft
 
     def resume(self) -> list[Action]:
         """Resume dispatch (idempotent): held steps run again, new steps are taken."""
         self.paused, self.mode = False, None
         self.held.clear()
+        self.core.pool.unpark()
         return self.core._fill_all()
 
     def rebase(self, version: int) -> None:
         """``version`` became the cluster's while steps were held: their undelivered requests
         run under it (from scratch); delivered completions keep their own version."""
-        for sid in self.held:
+        for sid in self.held - {POOL}:  # the pool rebases on its own (``RequestPool.rebase``)
             step = self.core.steps.get(sid)
             if step is None or not step.active or step.spec.policy_version == version:
                 continue

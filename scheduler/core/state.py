@@ -50,6 +50,7 @@ from bubblespec.scheduler.core.events import (
 from bubblespec.scheduler.core.history import LengthHistory
 from bubblespec.scheduler.core.moves import Mover
 from bubblespec.scheduler.core.pause import Pauser
+from bubblespec.scheduler.core.pool import POOL, RequestPool, sample_sampling
 from bubblespec.scheduler.core.policy import PolicyBarrier
 from bubblespec.scheduler.core.records import RequestState, StepState, WorkerState
 from bubblespec.scheduler.core.records import total_provenance as _total
@@ -209,6 +210,14 @@ class CoreSettings:
     """Steps running at once; a Generate for a new step beyond it is refused with
     RESOURCE_EXHAUSTED naming ``step_id`` (a resumed step is not new). Global: trainers share
     the trainer token, so the scheduler cannot tell one from another."""
+    max_pending_requests: int = 65_536
+    """Requests of independent calls (the pool, ``core/pool.py``) waiting or running at once; a
+    call that would leave more is refused RESOURCE_EXHAUSTED with a retry hint (HTTP 429 with
+    ``Retry-After``), and adds nothing. Calls are not capped otherwise: each is answered as it
+    finishes."""
+    max_pending_prompt_tokens: int = 2**25
+    """Prompt tokens of the pool's requests waiting or running at once (the pool's memory: about
+    8 bytes a token); beyond it, refused as for ``max_pending_requests``."""
     max_announced_prompts: int = 131_072
     """Announced prompts (Announce, and Generate's lookahead) waiting in the draft planner for
     their step. An Announce or Generate that would leave more is refused with
@@ -269,6 +278,7 @@ class SchedulerCore(CoreView):
         self.pauser = Pauser(self)  # /pause and /resume (core/pause.py)
         self.balancer = Balancer(self)  # which worker takes queued work (core/balance.py)
         self.mover = Mover(self)  # long requests moved to idle workers (core/moves.py)
+        self.pool = RequestPool(self)  # independent calls' requests (core/pool.py)
 
     # ------------------------------------------------------------- workers --
 
@@ -343,6 +353,8 @@ class SchedulerCore(CoreView):
     def _take_back(self, step: StepState, req: RequestState, worker_id: str, reason: str) -> list[Action]:
         """``worker_id`` failed ``req``: count the attempt and re-queue it (preferably for
         another worker), or fail its step once ``max_attempts`` attempts failed."""
+        if step.spec.step_id == POOL and (answer := self.pool.lost(step, req, worker_id, reason)) is not None:
+            return answer
         req.worker, req.moved_from = None, worker_id
         req.failures.append((worker_id, reason))
         if len(req.failures) >= self.settings.max_attempts:
@@ -389,7 +401,7 @@ class SchedulerCore(CoreView):
             held = ", ".join(sorted({str(w.version) for w in self.workers.values()}))
             raise InvalidRequest("policy_version", f"no connected worker holds policy version {self.version} (they "
                                  f"hold {held}, after a failed update); run update_policy again", ErrorCode.FAILED_PRECONDITION)
-        active = sum(1 for s in self.steps.values() if s.active)
+        active = sum(1 for s in self.steps.values() if s.active and s.spec.step_id != POOL)
         if active >= self.settings.max_active_steps:
             raise InvalidRequest("step_id", f"the scheduler already runs {active} steps, its limit (max_active_steps); "
                                  "wait for one to finish or cancel it", ErrorCode.RESOURCE_EXHAUSTED)
@@ -477,6 +489,51 @@ class SchedulerCore(CoreView):
             self.planner.announce(ids, sampling, "", self.history.predicted(ids))
         return len(prompts)
 
+    # ---------------------------------------------------------------- calls --
+
+    def check_requests(self, spec: StepSpec) -> None:
+        """Refuse (naming the field, nothing changed) a call whose requests cannot join the pool."""
+        if self._barrier is None and self.workers \
+                and not any(self.version in (w.version, w.loading) for w in self.workers.values()):
+            held = ", ".join(sorted({str(w.version) for w in self.workers.values()}))
+            raise InvalidRequest("policy_version", f"no connected worker holds policy version {self.version} (they "
+                                 f"hold {held}, after a failed update); run update_policy again", ErrorCode.FAILED_PRECONDITION)
+        modes = {w.hello.logprobs_mode for w in self.workers.values()}
+        if modes and spec.sampling.logprobs_mode and spec.sampling.logprobs_mode not in modes:
+            raise InvalidRequest("sampling.logprobs_mode", f"no connected worker returns {spec.sampling.logprobs_mode!r} "
+                                 f"logprobs (they return {', '.join(sorted(modes))}; EngineSettings.logprobs_mode)",
+                                 ErrorCode.FAILED_PRECONDITION)
+        self.pool.check(spec)
+
+    def submit_requests(self, spec: StepSpec, single_version: bool = False) -> tuple[list[str], list[Action]]:
+        """An independent call's requests join the pool (``core/pool.py``): their keys, prompt
+        by prompt and sample by sample, and the actions that dispatch them. ``spec``'s step id
+        and policy version are not used: the requests run under the cluster's version of the
+        moment they start (``single_version``: never two versions in one completion)."""
+        self.check_requests(spec)
+        keys = self.pool.submit(spec, single_version)
+        if spec.use_drafts:
+            self._drafts_wanted = True
+        return keys, self._fill_all()
+
+    def cancel_requests(self, keys: list[str]) -> list[Action]:
+        """The callers of these pool requests went away: abort what runs, unqueue the rest."""
+        return self.pool.cancel(keys) + self._fill_all()
+
+    def open_step(self, spec: StepSpec) -> StepState:
+        """A step with no requests yet, that requests join (the pool)."""
+        step = self.steps[spec.step_id] = StepState(spec, {}, deque(), self.clock())
+        return step
+
+    def close_step(self, step_id: str) -> None:
+        """Forget an open step that has no requests left (no summary: it is no trainer's step)."""
+        self.steps.pop(step_id, None)
+        self.balancer.stalls.forget(set(self.steps))
+
+    @staticmethod
+    def new_request(spec: RequestSpec) -> RequestState:
+        return RequestState(spec)
+
     def forget_history(self) -> None:
         """Drop length history and announced prompts (benchmarks compare arms from scratch)."""
         self.history.clear()
@@ -506,7 +563,10 @@ class SchedulerCore(CoreView):
 
     def _fail_step(self, step: StepState, req: RequestState) -> list[Action]:
         """``req`` failed ``max_attempts`` times: end its step with ``StepFailed`` (no summary,
-        no longer active; a resume gets the same failure) and abort the rest of its work."""
+        no longer active; a resume gets the same failure) and abort the rest of its work. In the
+        pool only the request fails: its caller gets the error (``RequestFailed``)."""
+        if step.spec.step_id == POOL:
+            return self.pool.failed(step, req)
         spec = req.spec
         index = next(i for i, p in enumerate(step.spec.prompts) if p.prompt_id == spec.prompt_id)
         workers = ", ".join(w for w, _ in req.failures)
@@ -582,14 +642,18 @@ class SchedulerCore(CoreView):
         w.last_seen = self.clock()
         w.running.discard(key)
         w.moved_in.discard(key)
-        req.done = True
-        step.completions[key] = completion
         self.history.record(req.spec.prompt_token_ids, len(completion.token_ids))
         if completion.provenance.sources:
             self._note_future_saving(completion.provenance, len(completion.token_ids))
-        actions: list[Action] = [Deliver(step.spec.step_id, completion)]
-        if len(step.completions) == len(step.requests):
-            actions += self._finish(step)
+        actions: list[Action]
+        if step.spec.step_id == POOL:  # delivered and gone: the pool keeps no completion
+            completion, actions = self.pool.delivered(step, req, completion)
+        else:
+            req.done = True
+            step.completions[key] = completion
+            actions = [Deliver(step.spec.step_id, completion)]
+            if len(step.completions) == len(step.requests):
+                actions += self._finish(step)
         actions += self._fill(w)
         if req.moving_to is not None:  # it finished before its worker stopped it: the move is off
             self.mover.cancel(req)
@@ -617,6 +681,8 @@ class SchedulerCore(CoreView):
         if req is None:
             return [_not_running(worker_id, "aborted", key)]
         step = self.steps[req.spec.step_id]
+        if step.spec.step_id == POOL and (stopped := self.pool.stopped(step, req, worker_id, partial)) is not None:
+            return stopped  # a pause stopped it (core/pool.py)
         if req.moving_to is not None and partial is not None:
             return self.mover.arrived(step, req, worker_id, partial)
         moving = req.moving_to is not None
@@ -730,6 +796,7 @@ class SchedulerCore(CoreView):
         if isinstance(outcome, PolicyReady):
             self.version, self.weights_path = b.version, b.weights_path
             self.pauser.rebase(b.version)
+            self.pool.rebase(b.version)
         for w in self.workers.values():
             if w.load_failed == b.version:
                 w.load_failed = None  # the version is gone: old weights that are intact serve again
@@ -820,7 +887,9 @@ class SchedulerCore(CoreView):
 
     def _group_size(self) -> int:
         step = self._current_step()
-        return step.spec.sampling.n if step is not None and not self.settings.spread_samples else 1
+        if step is None or self.settings.spread_samples:
+            return 1
+        return self.pool.group_size if step.spec.step_id == POOL else step.spec.sampling.n
 
     def _fill(self, w: WorkerState, limit: int | None = None, plan: bool = True) -> list[Action]:
         """Give ``w`` up to ``limit`` more requests (default: up to its capacity), then plan its
@@ -895,8 +964,8 @@ class SchedulerCore(CoreView):
         step = self.steps.get(_step_of(key))
         if step is None or not step.active:
             return False
-        req = step.requests[key]
-        if req.done or req.worker is not None:
+        req = step.requests.get(key)
+        if req is None or req.done or req.worker is not None:  # None: a pool request whose caller went away
             return False
         if step.spec.policy_version != w.version or not _serves(w, step.spec.sampling):
             step.shared.append(key)  # someone with the right version and logprobs will take it
@@ -1010,10 +1079,14 @@ class SchedulerCore(CoreView):
     # ------------------------------------------------------- time accounting --
 
     def _current_step(self) -> StepState | None:
+        """The first active step; the pool (``core/pool.py``) only when no step runs."""
+        pool = None
         for step in self.steps.values():
             if step.active:
-                return step
-        return None
+                if step.spec.step_id != POOL:
+                    return step
+                pool = step
+        return pool
 
     def _owned(self, worker_id: str, key: str) -> RequestState | None:
         step = self.steps.get(_step_of(key))
@@ -1048,9 +1121,7 @@ def _expand(spec: StepSpec) -> list[RequestSpec]:
     for p in spec.prompts:
         per_sample = samplings.get(p.max_tokens)
         if per_sample is None:
-            per_sample = samplings[p.max_tokens] = [
-                replace(base, n=1, seed=None if base.seed is None else base.seed + i, max_tokens=p.max_tokens)
-                for i in range(n)]
+            per_sample = samplings[p.max_tokens] = [sample_sampling(base, i, p.max_tokens) for i in range(n)]
         prompt_id, ids = p.prompt_id, p.token_ids
         for i, sampling in enumerate(per_sample):
             out.append(RequestSpec(request_key(step_id, prompt_id, i), step_id, prompt_id, i, ids, sampling, version,

@@ -28,6 +28,7 @@ __all__ = [
     "PolicyLoadReported",
     "PolicyReady",
     "PromptSpec",
+    "RequestFailed",
     "RequestSpec",
     "RequestsMoved",
     "StartDraft",
@@ -80,10 +81,13 @@ class InvalidRequest(ValueError):
     """A request the core refuses. ``field`` names the offending field; ``code`` is a gRPC
     status name (INVALID_ARGUMENT, FAILED_PRECONDITION, ALREADY_EXISTS, UNAVAILABLE, ...)."""
 
-    def __init__(self, field: str, message: str, code: str = ErrorCode.INVALID_ARGUMENT):
+    def __init__(self, field: str, message: str, code: str = ErrorCode.INVALID_ARGUMENT,
+                 retry_after: float | None = None):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.code = code
+        self.retry_after = retry_after
+        """Seconds after which the same call may succeed (a full queue: HTTP 429 ``Retry-After``)."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,8 @@ class WorkerHello:
     """It can stop a request and send what it generated (``Abort.keep_partial``) and continue a
     request from such a partial (``Assign.resume``): the core moves long requests only between
     such workers (``core/moves.py``)."""
+    dtype: str = ""
+    """The dtype its engine runs the model in (``bfloat16``; '' = not said): ``/server_info``'s."""
 
 
 @dataclass(frozen=True)
@@ -222,6 +228,15 @@ class Deliver:
 
 
 @dataclass(frozen=True)
+class RequestFailed:
+    """A request of the pool (``core/pool.py``) failed every attempt: its caller gets the error."""
+
+    key: str
+    field: str
+    message: str
+
+
+@dataclass(frozen=True)
 class StepFinished:
     step_id: str
     summary: StepSummary
@@ -293,7 +308,7 @@ class Ignored:
 
 
 Action = (Assign | Abort | LoadPolicy | StartDraft | StopDraft | Deliver | StepFinished | StepFailed | PolicyReady
-          | PolicyFailed | Disconnect | RequestsMoved | PolicyLoadReported | Ignored)
+          | PolicyFailed | Disconnect | RequestsMoved | PolicyLoadReported | Ignored | RequestFailed)
 
 
 @dataclass

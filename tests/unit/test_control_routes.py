@@ -124,28 +124,37 @@ async def test_server_info_says_what_trl_reads():
             assert_error(await http.get("/server_info?config_format=yaml"), 400, "config_format")
 
 
-async def test_pause_modes_refuse_new_steps_with_503_until_resume():
+async def test_calls_sent_while_paused_wait_for_resume_in_every_mode():
+    """As ``vllm serve``: a call that arrives while paused is queued, not refused, and runs
+    after ``/resume`` (streamed or not)."""
     http, scheduler = make_app()
     async with http:
         workers = [ScriptedWorker(scheduler.service, w) for w in ("a", "b")]
+        for w in workers:
+            w.release.set()
         assert_error(await http.post("/pause?mode=freeze"), 400, "mode", "abort, wait, keep")
         assert (await http.get("/is_paused")).json() == {"is_paused": False}  # a refused pause changes nothing
         for mode in ("keep", "wait", "abort", None):
             r = await http.post("/pause", params={"mode": mode, "clear_cache": "false"} if mode else None)
             assert r.json() == {"status": "paused"}
             assert (await http.get("/is_paused")).json() == {"is_paused": True}
-            r = await http.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2})
-            assert_error(r, 503, None, "paused")
-            r = await http.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, "stream": True})
-            assert_error(r, 503, None, "paused")  # a stream is refused before its 200, not inside it
-            assert not scheduler.core.steps
-            for _ in range(2):  # idempotent, also when not paused
+            plain = asyncio.create_task(http.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}))
+            streamed = asyncio.create_task(http.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2,
+                                                                             "stream": True}))
+            while scheduler.core.pool.pending < 2:
+                await asyncio.sleep(0)
+            for _ in range(50):
+                await asyncio.sleep(0)
+            assert not plain.done() and not streamed.done()
+            assert len(scheduler.core.pool.parked) == 2  # waiting, not dispatched
+            for _ in range(2):  # idempotent
                 assert (await http.post("/resume")).json() == {"status": "resumed"}
             assert (await http.get("/is_paused")).json() == {"is_paused": False}
-        for w in workers:
-            w.release.set()
-        r = await http.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2})
-        assert r.status_code == 200 and len(r.json()["choices"]) == 1
+            r = await plain
+            assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop"
+            r = await streamed
+            assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n") and '"finish_reason": "stop"' in r.text
+            assert scheduler.core.pool.pending == 0
         for w in workers:
             w.task.cancel()
 

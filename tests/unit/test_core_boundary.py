@@ -21,7 +21,8 @@ PUBLIC = frozenset({
     "model_limits", "worker_count", "any_step_active", "paused", "pause_waiting",
     # events and commands
     "handle", "add_worker", "remove_worker", "heartbeat", "touch", "on_progress", "on_completion", "on_aborted",
-    "on_draft_result", "on_policy_loaded", "check_step", "submit_step", "announce", "cancel_step", "update_policy",
+    "on_draft_result", "on_policy_loaded", "check_step", "submit_step", "check_requests", "submit_requests",
+    "cancel_requests", "announce", "cancel_step", "update_policy",
     "tick", "pause", "resume", "restore_policy", "forget_history",
 })
 """What outside code may read of a ``SchedulerCore``."""

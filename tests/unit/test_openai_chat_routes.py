@@ -1,6 +1,6 @@
 """``/v1/chat/completions`` without engines: template rendering against transformers' own
 ``apply_chat_template``, request parsing, refusals (status, ``param``, no step), and the response
-and stream shapes over a scripted ``run_step``. The real-cluster tests are in
+and stream shapes over a scripted ``run_requests``. The real-cluster tests are in
 tests/integration/test_openai_api.py.
 """
 
@@ -110,20 +110,20 @@ LIMITS = ModelLimits(max_model_len=512, vocab_size=128)
 
 
 def _app(tokenizer: str, limits=LIMITS, max_body: int = 2**20, refuse: InvalidRequest | None = None):
-    """A stub scheduler whose ``run_step`` records the step and answers sample i with ids [40 + i, 41],
-    or raises ``refuse`` (as the service refuses a step it cannot run)."""
-    core = SimpleNamespace(model_limits=limits, policy_version=0, steps={}, check_step=lambda spec: None)
+    """A stub scheduler whose ``run_requests`` records the call and answers sample i with ids [40 + i, 41],
+    or raises ``refuse`` (as the service refuses a call it cannot run)."""
+    core = SimpleNamespace(model_limits=limits, policy_version=0, steps={}, check_requests=lambda spec: None)
 
-    async def run_step(spec):
+    async def run_requests(spec):
         if refuse is not None:
             raise refuse
         core.steps[spec.step_id] = spec
         for i in reversed(range(spec.sampling.n)):  # finish out of order
-            yield [cv.completion_from_pb(_completion(spec.step_id, i, [40 + i, 41], finish=2 if i else 1).completion)]
+            yield i, cv.completion_from_pb(_completion(spec.step_id, i, [40 + i, 41], finish=2 if i else 1).completion)
 
     settings = SchedulerSettings(tokenizer=tokenizer, served_model_name="tiny",
                                  limits=Limits(max_request_bytes=max_body))
-    scheduler = SimpleNamespace(settings=settings, service=SimpleNamespace(core=core, tokenize=None, run_step=run_step),
+    scheduler = SimpleNamespace(settings=settings, service=SimpleNamespace(core=core, tokenize=None, run_requests=run_requests),
                                 ready=True)
     app = FastAPI()
     app.include_router(create_router(scheduler, chat=ChatCompletions))

@@ -100,7 +100,8 @@ def test_replanning_drops_stale_heap_entries_and_keeps_the_order():
 def test_frozen_builds_the_constructors_object():
     prov = Provenance(12, (SourceStats("future", 30, 18),))
     fields = dict(step_id="s1", prompt_id="p3", sample_index=2, token_ids=(1, 2, 3), logprobs=(), text="",
-                  finish_reason=FinishReason.STOP, policy_version=4, worker_id="w7", prompt_tokens=512, provenance=prov)
+                  finish_reason=FinishReason.STOP, policy_version=4, worker_id="w7", prompt_tokens=512, provenance=prov,
+                  version_spans=((0, 3), (2, 4)))
     built = _frozen(Completion, fields)
     assert built == Completion(**fields)
     assert built.__dict__ == Completion(**fields).__dict__

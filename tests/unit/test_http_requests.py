@@ -1,0 +1,147 @@
+"""Independent HTTP calls on the real core and asyncio shell, with scripted workers (no
+engines): no step cap, 429 with ``Retry-After`` when the pool is full, callers that disconnect
+(their requests are aborted on the workers), and many queued calls across ``/pause`` +
+``/resume`` (each answered once, none lost)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+
+from bubblespec.scheduler.core.pool import POOL
+from bubblespec.scheduler.wire import scheduler_message
+from bubblespec.scheduler.service import END
+
+from tests.unit.test_control_routes import ScriptedWorker, assert_error, make_app
+
+
+class RecordingWorker(ScriptedWorker):
+    """A scripted worker that also records the aborts it is sent."""
+
+    def __init__(self, *args, **kw):
+        self.aborts: list[str] = []
+        super().__init__(*args, **kw)
+
+    async def _run(self) -> None:
+        while True:
+            item = await self.link.outbox.get()
+            if item is END:
+                return
+            msg = scheduler_message(item)
+            if msg.WhichOneof("kind") == "abort":
+                self.aborts.append(msg.abort.request_key)
+            elif msg.WhichOneof("kind") == "assign":
+                asyncio.create_task(self._complete(msg.assign))
+
+
+def body(i: int, **over) -> dict:
+    return {"prompt": [5, 6 + i % 7], "max_tokens": 2, **over}
+
+
+async def test_calls_far_beyond_the_step_cap_are_all_answered():
+    http, scheduler = make_app()
+    assert scheduler.core.settings.max_active_steps == 16
+    async with http:
+        workers = [ScriptedWorker(scheduler.service, w) for w in ("a", "b")]
+        calls = [asyncio.create_task(http.post("/v1/completions", json=body(i))) for i in range(200)]
+        while scheduler.core.pool.pending < 200:
+            await asyncio.sleep(0)
+        for w in workers:
+            w.release.set()
+        answers = await asyncio.gather(*calls)
+        assert [r.status_code for r in answers] == [200] * 200
+        assert all(r.json()["choices"][0]["text"] is not None for r in answers)
+        assert scheduler.core.pool.pending == 0 and POOL not in scheduler.core.steps
+        for w in workers:
+            w.task.cancel()
+
+
+async def test_a_full_pool_answers_429_with_retry_after_and_takes_nothing():
+    http, scheduler = make_app()
+    scheduler.core.settings = type(scheduler.core.settings)(max_pending_requests=4)
+    async with http:
+        workers = [ScriptedWorker(scheduler.service, "a")]
+        held = [asyncio.create_task(http.post("/v1/completions", json=body(0, n=2))) for _ in range(2)]
+        while scheduler.core.pool.pending < 4:
+            await asyncio.sleep(0)
+        for stream in (False, True):
+            r = await http.post("/v1/completions", json=body(1, stream=stream))
+            assert_error(r, 429, None, "max_pending_requests")
+            assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "RateLimitError"
+        assert scheduler.core.pool.pending == 4
+        workers[0].release.set()
+        assert [r.status_code for r in await asyncio.gather(*held)] == [200, 200]
+        workers[0].task.cancel()
+
+
+async def _disconnect_after_assign(http, scheduler, worker, payload) -> str:
+    """Start a call, wait until its request runs on ``worker``, then drop the connection."""
+    call = asyncio.create_task(http.post("/v1/completions", json=payload))
+    while not scheduler.core.workers["a"].running:
+        await asyncio.sleep(0)
+    [key] = scheduler.core.workers["a"].running
+    call.cancel()
+    try:
+        await call
+    except asyncio.CancelledError:
+        pass
+    return key
+
+
+async def test_a_caller_that_disconnects_has_its_request_aborted_on_the_worker():
+    for stream in (False, True):
+        app, scheduler = make_app()
+        # a real client's disconnect, through the ASGI transport: the call's task is cancelled
+        async with app as http:
+            worker = RecordingWorker(scheduler.service, "a")
+            key = await _disconnect_after_assign(http, scheduler, worker, body(0, stream=stream))
+            for _ in range(100):
+                if worker.aborts:
+                    break
+                await asyncio.sleep(0.01)
+            assert worker.aborts == [key], stream
+            assert scheduler.core.pool.pending == 0 and not scheduler.core.workers["a"].running
+            worker.task.cancel()
+
+
+async def test_ten_thousand_queued_calls_across_pause_and_resume_each_answered_once():
+    http, scheduler = make_app()
+    calls = 10_000
+    async with http:
+        workers = [ScriptedWorker(scheduler.service, w) for w in ("a", "b")]
+        tasks = [asyncio.create_task(http.post("/v1/completions", json=body(i, n=1 + i % 2, max_tokens=2 + i % 3)))
+                 for i in range(calls)]
+        while scheduler.core.pool.pending < sum(1 + i % 2 for i in range(calls)):
+            await asyncio.sleep(0)
+        assert (await http.post("/pause?mode=keep")).json() == {"status": "paused"}
+        late = [asyncio.create_task(http.post("/v1/completions", json=body(i))) for i in range(50)]
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not any(t.done() for t in tasks + late)
+        assert (await http.post("/resume")).json() == {"status": "resumed"}
+        for w in workers:
+            w.release.set()
+        answers = await asyncio.gather(*tasks, *late)
+        assert Counter(r.status_code for r in answers) == {200: calls + 50}
+        for i, r in enumerate(answers[:calls]):
+            choices = r.json()["choices"]
+            assert [c["index"] for c in choices] == list(range(1 + i % 2))  # each choice once, none missing
+        delivered = sum(len(r.json()["choices"]) for r in answers)
+        assert delivered == sum(1 + i % 2 for i in range(calls)) + 50
+        assert scheduler.core.pool.pending == 0 and not scheduler.service.callers
+        for w in workers:
+            w.task.cancel()
+
+
+async def test_malformed_bodies_are_refused_naming_the_field_and_queue_nothing():
+    http, scheduler = make_app()
+    async with http:
+        ScriptedWorker(scheduler.service, "a")
+        r = await http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+        r = await http.post("/v1/completions", content=json.dumps([1, 2]))
+        assert r.status_code == 400
+        assert_error(await http.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": -1}), 400, "max_tokens")
+        assert_error(await http.post("/v1/completions", json={"prompt": list(range(5, 300))}), 400, "prompt")
+        assert scheduler.core.pool.pending == 0 and POOL not in scheduler.core.steps
