@@ -1,5 +1,6 @@
 """HTTP side of the scheduler (FastAPI): health, readiness, status, metrics, UI, and the
-OpenAI-compatible routes of ``openai_api`` and the vLLM-compatible RL control routes of ``rl_api``.
+OpenAI-compatible routes of ``openai_api``, the vLLM-compatible RL control routes of ``rl_api``
+and vLLM's token-in/token-out and tokenizer routes of ``tokens_api``.
 
 ``/status`` and ``/ui`` need the trainer token when the scheduler has one (``auth.http_refusal``);
 ``/healthz``, ``/readyz`` and ``/metrics`` are open. ``/status`` sends the document that
@@ -30,6 +31,9 @@ def create_app(scheduler: SchedulerApp) -> FastAPI:
     from bubblespec.scheduler.rl_api import create_router as create_rl_router
 
     app.include_router(create_rl_router(scheduler))  # /pause, /resume, /update_weights, ... (docs/INTEGRATIONS.md)
+    from bubblespec.scheduler.tokens_api import create_router as create_tokens_router
+
+    app.include_router(create_tokens_router(scheduler))  # /inference/v1/generate, /tokenize, /detokenize
     from bubblespec.scheduler.weight_transfer import create_router as create_transfer_router
 
     # /init_weight_transfer_engine, /start_weight_update, /finish_weight_update, /reset_prefix_cache
