@@ -36,9 +36,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from bubblespec.client.types import Completion
-from bubblespec.scheduler.core.checks import check_completion
-from bubblespec.scheduler.core.pool import continued
-from bubblespec.scheduler.core.types import Abort, Action, Ignored, InvalidRequest, ModelLimits, RequestsMoved, step_of
+from bubblespec.scheduler.core.pool import checked_partial, continued
+from bubblespec.scheduler.core.types import Abort, Action, Ignored, InvalidRequest, RequestsMoved, step_of
 
 if TYPE_CHECKING:
     from bubblespec.scheduler.core.records import CoreParts as SchedulerCore
@@ -50,14 +49,17 @@ SOURCES_LOOKED_AT = 8
 """Fullest batches a worker that just ran out of work looks at for a request to take over."""
 
 RESUME_SEEDS = (5 * 2**60, 3 * 2**61)
-"""Seeds of seeded requests' continuations: [5·2**60, 3·2**61), above every request's seed
-(below 2**62 + n) and below every draft job's (``drafting.DRAFT_SEEDS``)."""
+"""Seeds of seeded requests' continuations: [5·2**60, 3·2**61), below every draft job's
+(``drafting.DRAFT_SEEDS``). Requests may have any int64 seed, these included."""
 
 
 def resume_seed(seed: int, tokens: int) -> int:
     """The seed a seeded request goes on with after ``tokens`` tokens elsewhere: fresh draws,
-    the same for the same (seed, tokens), and never a request's or a draft job's seed."""
+    the same for the same (seed, tokens), never a draft job's seed. All 64 bits of the seed
+    (modulo 2**64, as torch reads it) reach the result: seeds that differ only in their top
+    bits do not go on with the same draws."""
     mixed = (seed * 0x9E3779B97F4A7C15 + tokens * 0xC2B2AE3D27D4EB4F) % (1 << 64)
+    mixed ^= mixed >> 32
     return RESUME_SEEDS[0] + mixed % (RESUME_SEEDS[1] - RESUME_SEEDS[0])
 
 
@@ -175,7 +177,7 @@ class Mover:
         source = core.workers[worker_id]
         source.running.discard(key)
         try:
-            partial = _checked(partial, req, getattr(core, "limits", None))
+            partial = checked_partial(partial, req, getattr(core, "limits", None))
         except InvalidRequest as exc:
             return [Ignored(worker_id, exc.field, str(exc)),
                     *core._take_back(step, req, worker_id, f"its partial was refused: {exc}"), *core._fill_all()]
@@ -222,18 +224,3 @@ def _may_take(target: WorkerState, req: RequestState) -> bool:
     """A worker with nothing to run takes any movable request; one still running some, only a
     request of a step without drafts (``move_to_workers_running_at_most``)."""
     return not target.running or not req.spec.use_drafts
-
-
-def _checked(partial: Completion, req: RequestState, limits: ModelLimits | None) -> Completion:
-    """``partial`` if it can continue ``req`` (``Mover.arrived``), else ``InvalidRequest``."""
-    partial = check_completion(partial, req.spec.key, limits, "aborted.partial")
-    if partial.policy_version != req.spec.policy_version:
-        raise InvalidRequest("aborted.partial.policy_version",
-                             f"{partial.policy_version}, the request asked for {req.spec.policy_version}")
-    if len(partial.token_ids) >= req.spec.sampling.max_tokens:
-        raise InvalidRequest("aborted.partial.token_ids", f"{len(partial.token_ids)} tokens; a request of max_tokens "
-                             f"{req.spec.sampling.max_tokens} that long has finished")
-    if partial.logprobs and len(partial.logprobs) != len(partial.token_ids):
-        raise InvalidRequest("aborted.partial.logprobs",
-                             f"{len(partial.logprobs)} logprobs for {len(partial.token_ids)} tokens")
-    return partial

@@ -42,6 +42,7 @@ from bubblespec.scheduler.core.types import (
     Deliver,
     ErrorCode,
     InvalidRequest,
+    ModelLimits,
     RequestFailed,
     RequestSpec,
     RequestsMoved,
@@ -52,7 +53,8 @@ from bubblespec.scheduler.core.types import (
 if TYPE_CHECKING:
     from bubblespec.scheduler.core.records import CoreParts, RequestState, StepState
 
-__all__ = ["POOL", "RETRY_AFTER_SECONDS", "RequestPool", "continued", "sample_sampling", "version_spans"]
+__all__ = ["POOL", "RETRY_AFTER_SECONDS", "RequestPool", "checked_partial", "continued", "sample_sampling",
+           "version_spans"]
 
 POOL = "requests"
 """Step id of the pool; its request keys are ``requests/<group>/<sample>``."""
@@ -101,6 +103,8 @@ class RequestPool:
         self.pending_tokens = 0
         self.group_size = 1
         """Samples per call of the latest call (dispatch hands out a group at a time)."""
+        self._where: dict[str, str] = {}
+        """Group id -> the worker its latest request went to (``place_with_siblings``)."""
 
     # ------------------------------------------------------------------ queries --
 
@@ -236,7 +240,7 @@ class RequestPool:
         w.moved_in.discard(key)
         if partial is not None:
             try:
-                partial = _checked(partial, req, getattr(self.core, "limits", None))
+                partial = checked_partial(partial, req, getattr(self.core, "limits", None))
             except InvalidRequest:
                 partial = None
         if key in self.stopping.aborted:
@@ -249,6 +253,47 @@ class RequestPool:
         self._rebase(req, step.spec.policy_version)  # the version may have moved while it stopped
         step.shared.appendleft(key)
         return [RequestsMoved(POOL, (key,), requeued=True), *self.core._fill(w)]
+
+    # ---------------------------------------------------------------- dispatch --
+
+    def placed(self, req: RequestState, worker_id: str) -> None:
+        """``req`` started on ``worker_id``: its group's later requests prefer that worker."""
+        self._where[req.spec.prompt_id] = worker_id
+
+    def place_with_siblings(self) -> list[Action]:
+        """Queued requests whose group runs on a worker with room go there, ahead of the usual
+        placement: samples of one prompt on one worker draft from each other (``sibling``), as a
+        step's sample groups do, whether they came in one call or in many (one per rollout).
+        Looks at the head of the queue only, as far as the free slots reach."""
+        step, core = self.step, self.core
+        if step is None or not step.shared or not self._where or core.pauser.holds(POOL):
+            return []
+        version = step.spec.policy_version
+        room = {w.hello.worker_id: w.capacity - len(w.running) for w in core.workers.values()
+                if len(w.running) < w.capacity and w.loading is None and w.load_failed is None and w.version == version}
+        if not room:
+            return []
+        actions: list[Action] = []
+        skipped: list[str] = []
+        now = core.clock()
+        for _ in range(min(len(step.shared), 2 * sum(room.values()))):
+            key = step.shared.popleft()
+            req = step.requests.get(key)
+            if req is None:
+                continue  # its caller went away
+            wid = self._where.get(req.spec.prompt_id)
+            if wid not in room or req.worker is not None or req.resume is not None or req.failures \
+                    or req.spec.sampling.logprobs_mode not in ("", core.workers[wid].hello.logprobs_mode):
+                skipped.append(key)
+                continue
+            actions += core.start_request(core.workers[wid], step, req, now)
+            room[wid] -= 1
+            if not room[wid]:
+                del room[wid]
+                if not room:
+                    break
+        step.shared.extendleft(reversed(skipped))
+        return actions
 
     # ------------------------------------------------------------------ pauses --
 
@@ -342,6 +387,7 @@ class RequestPool:
             group.live -= 1
             if group.live <= 0:
                 del self._groups[req.spec.prompt_token_ids]
+                self._where.pop(group.gid, None)
 
     def _close_if_empty(self) -> list[Action]:
         step = self.step
@@ -370,12 +416,18 @@ def version_spans(before: Completion | None, after: Completion) -> tuple[tuple[i
     return tuple(spans) if len(spans) > 1 else ()
 
 
-def _checked(partial: Completion, req: RequestState, limits) -> Completion:
-    """``partial`` if it can continue ``req``, else ``InvalidRequest``."""
+def checked_partial(partial: Completion, req: RequestState, limits: ModelLimits | None) -> Completion:
+    """``partial`` if ``req`` can go on from it (after a move, ``core/moves.py``, or a keep
+    pause), else ``InvalidRequest`` naming the field: another request's, tokens outside the
+    vocabulary, another policy version, as long as the request may be, logprobs that do not
+    match its tokens."""
     partial = check_completion(partial, req.spec.key, limits, "aborted.partial")
     if partial.policy_version != req.spec.policy_version:
         raise InvalidRequest("aborted.partial.policy_version",
                              f"{partial.policy_version}, the request asked for {req.spec.policy_version}")
+    if len(partial.token_ids) >= req.spec.sampling.max_tokens:
+        raise InvalidRequest("aborted.partial.token_ids", f"{len(partial.token_ids)} tokens; a request of max_tokens "
+                             f"{req.spec.sampling.max_tokens} that long has finished")
     if partial.logprobs and len(partial.logprobs) != len(partial.token_ids):
         raise InvalidRequest("aborted.partial.logprobs",
                              f"{len(partial.logprobs)} logprobs for {len(partial.token_ids)} tokens")

@@ -110,7 +110,20 @@ class CoreParts(Protocol):
     timing: Any
     """``TimeAccounting``."""
 
+    mover: Any
+    """``Mover``."""
+    pool: Any
+    """``RequestPool``."""
+
     def _fill(self, w: WorkerState, limit: int | None = None, plan: bool = True) -> list: ...
+
+    def start_request(self, w: WorkerState, step: StepState, req: RequestState, now: float) -> list: ...
+
+    def open_step(self, spec: StepSpec) -> StepState: ...
+
+    def close_step(self, step_id: str) -> None: ...
+
+    def new_request(self, spec: RequestSpec) -> RequestState: ...
 
     def _fill_all(self) -> list: ...
 

@@ -874,7 +874,7 @@ class SchedulerCore(CoreView):
     def _fill_all(self) -> list[Action]:
         """Spread available work: one sample group at a time (one request at a time with
         ``spread_samples``) to the worker with the fewest predicted tokens to go (core/balance.py)."""
-        actions = self.balancer.fill(self._group_size())
+        actions = self.pool.place_with_siblings() + self.balancer.fill(self._group_size())
         # the tail may begin now (``_tail_begins``): before any worker plans jobs beside its requests
         if self._tail is None and self.settings.min_requests_beside_draft_jobs_at_tail:
             for w in self.workers.values():
@@ -908,21 +908,29 @@ class SchedulerCore(CoreView):
             if key is None:
                 break
             step = self.steps[_step_of(key)]
-            req = step.requests[key]
-            if req.resume is not None:
-                w.moved_in.add(key)
-            if w.drafts:
-                actions += self._stop_drafts(w, keep=self._beside(w, len(running) + 1))
-            req.worker, req.started_at, req.progress, req.progress_at = wid, now, req.progress if req.resume else 0, now
-            running.add(key)
-            self.balancer.stalls.started(step.spec.step_id, key, wid, now, self.settings.stall_seconds)
-            actions.append(Assign(wid, req.spec, min(self._predicted(req.spec.prompt_token_ids),
-                                                     float(req.spec.sampling.max_tokens)), req.resume))
+            actions += self.start_request(w, step, step.requests[key], now)
         if plan and running and self.settings.max_draft_jobs_beside_requests:
             actions += self._plan_drafts(w, self._beside(w, len(running)))
         elif plan and not running and not self._held:  # held: work is due the moment the held results come
             actions += self._tail_begins(w) + self._plan_drafts(w)
         self.timing.set_state(w, now)
+        return actions
+
+    def start_request(self, w: WorkerState, step: StepState, req: RequestState, now: float) -> list[Action]:
+        """Hand queued ``req`` (taken off its queue) to ``w``, which has room and may run it."""
+        wid, key = w.hello.worker_id, req.spec.key
+        actions: list[Action] = []
+        if req.resume is not None:
+            w.moved_in.add(key)
+        if w.drafts:
+            actions += self._stop_drafts(w, keep=self._beside(w, len(w.running) + 1))
+        req.worker, req.started_at, req.progress, req.progress_at = wid, now, req.progress if req.resume else 0, now
+        w.running.add(key)
+        if step.spec.step_id == POOL:
+            self.pool.placed(req, wid)
+        self.balancer.stalls.started(step.spec.step_id, key, wid, now, self.settings.stall_seconds)
+        actions.append(Assign(wid, req.spec, min(self._predicted(req.spec.prompt_token_ids),
+                                                 float(req.spec.sampling.max_tokens)), req.resume))
         return actions
 
     def _beside(self, w: WorkerState, busy: int) -> int:

@@ -219,3 +219,20 @@ def test_steps_and_calls_share_the_workers():
     s = of(core.submit_step(step("s1", 1)), Assign)
     _, actions = core.submit_requests(call((5, 6)))
     assert len(s) == 1 and len(of(actions, Assign)) == 1
+
+
+def test_calls_of_one_prompt_go_to_the_worker_running_their_group():
+    """One call per rollout (GRPO through HTTP): the prompt's samples meet on one worker, where
+    they draft from each other, while that worker has room."""
+    core, _ = make_core()
+    core.add_worker(hello("a", capacity=4))
+    core.add_worker(hello("b", capacity=4))
+    placed = {}
+    for _ in range(4):
+        for prompt in ((5, 6), (5, 7)):
+            _, actions = core.submit_requests(call(prompt))
+            for a in of(actions, Assign):
+                placed.setdefault(a.request.prompt_token_ids, set()).add(a.worker_id)
+    assert [len(w) for w in placed.values()] == [1, 1] and placed[(5, 6)] != placed[(5, 7)]
+    _, actions = core.submit_requests(call((5, 6)))  # every worker is full: it waits in the queue
+    assert of(actions, Assign) == []
