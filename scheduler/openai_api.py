@@ -208,9 +208,13 @@ class _Completions:
     def choice(self, c, index: int, spec) -> dict:
         return _choice(c, index, spec, self.body, self.token)
 
+    single_version = False
+    """Run again from scratch rather than go on under a new policy version after a keep pause
+    (header ``X-BubbleSpec-Single-Version``; ``core/pool.py``)."""
+
     async def completions(self, spec):
         """(index, choice, completion) per finished choice, in the order they finish."""
-        async for index, c in self.scheduler.service.run_requests(spec):
+        async for index, c in self.scheduler.service.run_requests(spec, self.single_version):
             yield index, self.choice(c, index, spec), c
 
     def envelope(self, choices: list, usage: dict | None) -> dict:
@@ -325,6 +329,7 @@ async def _serve(scheduler: SchedulerApp, request: Request, kind: type[_Completi
     try:
         body = await read_json(request, scheduler.settings.limits.max_request_bytes)
         call = kind(scheduler, body)
+        call.single_version = _header_flag(request, SINGLE_VERSION_HEADER)
         rename = call.rename
         if body.get("model") and body.get("model") != call.model:  # vLLM: no model = the served one
             return error(404, f"The model `{body.get('model')}` does not exist.", "model")
@@ -336,6 +341,18 @@ async def _serve(scheduler: SchedulerApp, request: Request, kind: type[_Completi
         return Response(status_code=499) if answer is None else JSONResponse(answer)
     except InvalidRequest as exc:
         return _refusal(exc, rename)
+
+
+SINGLE_VERSION_HEADER = "X-BubbleSpec-Single-Version"
+
+
+def _header_flag(request: Request, name: str) -> bool:
+    raw = request.headers.get(name)
+    if raw is None or raw.lower() in ("false", "0", "no"):
+        return False
+    if raw.lower() in ("true", "1", "yes"):
+        return True
+    raise InvalidRequest(name, f"must be true or false, got {raw!r:.40}")
 
 
 async def until_disconnected(request: Request, work):

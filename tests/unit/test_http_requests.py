@@ -145,3 +145,19 @@ async def test_malformed_bodies_are_refused_naming_the_field_and_queue_nothing()
         assert_error(await http.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": -1}), 400, "max_tokens")
         assert_error(await http.post("/v1/completions", json={"prompt": list(range(5, 300))}), 400, "prompt")
         assert scheduler.core.pool.pending == 0 and POOL not in scheduler.core.steps
+
+
+async def test_the_single_version_header_marks_the_calls_requests():
+    http, scheduler = make_app()
+    async with http:
+        worker = ScriptedWorker(scheduler.service, "a")
+        r = await http.post("/v1/completions", json=body(0), headers={"X-BubbleSpec-Single-Version": "maybe"})
+        assert_error(r, 400, "X-BubbleSpec-Single-Version", "true or false")
+        call = asyncio.create_task(http.post("/v1/completions", json=body(0, n=2),
+                                             headers={"X-BubbleSpec-Single-Version": "true"}))
+        while scheduler.core.pool.pending < 2:
+            await asyncio.sleep(0)
+        assert len(scheduler.core.pool.single_version) == 2
+        worker.release.set()
+        assert (await call).status_code == 200 and not scheduler.core.pool.single_version
+        worker.task.cancel()
