@@ -96,6 +96,35 @@ class AsyncRolloutClient:
             pass
         return collector.result()
 
+    async def complete(self, prompts: Sequence[PromptLike], sampling: SamplingParams = SamplingParams(), *,
+                       n: int | None = None, drafts: bool = True, single_version: bool = False) -> list[Completion]:
+        """Independent requests, not a step: the prompts' requests join the scheduler's pool of
+        calls at its current policy version (no step id, no step cap; sibling and history drafts
+        as for a step's samples) and each finishes on its own. Returns every completion, prompt
+        order then sample index. Retried (``RetryableError``: a full pool, a lost scheduler)
+        only while nothing was delivered: a call has no id to resume by. ``single_version``:
+        after a keep pause across a policy update, run again from scratch rather than go on
+        (``Completion.version_spans`` says the versions of a completion that went on)."""
+        request = _base.make_complete_request(prompts, sampling, n, drafts, single_version)
+        delays = self.settings.retry.delays()
+        while True:
+            collector = _base.CallCollector(request)
+            try:
+                call = self._stub.Complete(request, timeout=self.settings.step_timeout_seconds,
+                                           metadata=self.settings.metadata(), wait_for_ready=True)
+                async for msg in call:
+                    collector.add(msg)
+            except grpc.RpcError as exc:
+                err = _base.translate(exc)
+                delay = next(delays, None) if _base.should_retry(err) and not collector.completions else None
+                if delay is None:
+                    raise err from None
+                await asyncio.sleep(delay)
+                continue
+            if not collector.done:
+                raise ServiceUnavailable("the call's stream ended before every completion came")
+            return collector.result()
+
     async def announce(self, prompts: Sequence[PromptLike], sampling: SamplingParams = SamplingParams()) -> int:
         req = _base.make_announce_request(prompts, sampling)
         return (await self._unary(self._stub.Announce, req, self.settings.timeout_seconds)).accepted

@@ -18,7 +18,7 @@ import grpc
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.client import _check as ck
 from bubblespec.client import _convert as cv
-from bubblespec.client.errors import BubbleSpecError, RetryableError, error_from_status
+from bubblespec.client.errors import BubbleSpecError, RetryableError, ServerError, error_from_status
 from bubblespec.client.types import Completion, Prompt, SamplingParams, SchedulingPolicy, StepResult, StepSummary
 
 __all__ = ["ClientSettings", "PromptLike", "Retry", "StepCollector", "keepalive_options", "make_announce_request",
@@ -165,6 +165,43 @@ def make_generate_request(
         policy=cv.policy_to_pb(policy), disable_drafts=not drafts,
         disable_straggler_watch=not straggler_watch,
     )
+
+
+def make_complete_request(prompts: Sequence[PromptLike], sampling: SamplingParams, n: int | None = None,
+                          drafts: bool = True, single_version: bool = False) -> pb.CompleteRequest:
+    """The Complete request (independent requests, no step); ``InvalidArgument`` naming the field."""
+    ck.check_sampling(sampling, n)
+    ck.check_bool(drafts, "drafts")
+    ck.check_bool(single_version, "single_version")
+    if n is not None:
+        sampling = replace(sampling, n=n)
+    return pb.CompleteRequest(prompts=[cv.prompt_to_pb(p) for p in to_prompts(prompts)],
+                              sampling=cv.sampling_to_pb(sampling), disable_drafts=not drafts,
+                              single_version=single_version)
+
+
+class CallCollector:
+    """One ``complete`` call's completions: each (prompt, sample) once, in prompt order."""
+
+    def __init__(self, request: pb.CompleteRequest):
+        self.order = {p.prompt_id: i for i, p in enumerate(request.prompts)}
+        self.total = len(request.prompts) * max(1, request.sampling.n)
+        self.completions: dict[tuple[str, int], Completion] = {}
+
+    def add(self, msg: pb.GenerateResponse) -> Completion:
+        c = cv.completion_from_pb(msg.completion)
+        key = (c.prompt_id, c.sample_index)
+        if key in self.completions or c.prompt_id not in self.order:
+            raise ServerError(f"completion: the scheduler sent {key} twice or for no prompt of the call")
+        self.completions[key] = c
+        return c
+
+    @property
+    def done(self) -> bool:
+        return len(self.completions) >= self.total
+
+    def result(self) -> list[Completion]:
+        return sorted(self.completions.values(), key=lambda c: (self.order[c.prompt_id], c.sample_index))
 
 
 def make_announce_request(prompts: Sequence[PromptLike], sampling: SamplingParams) -> pb.AnnounceRequest:

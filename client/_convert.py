@@ -21,7 +21,8 @@ _POLICY_TO_PB = {
     SchedulingPolicy.LONGEST_FIRST: pb.SCHEDULING_POLICY_LONGEST_FIRST,
 }
 _POLICY_FROM_PB: dict[int, SchedulingPolicy] = {v: k for k, v in _POLICY_TO_PB.items()}
-_FINISH_TO_PB = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}
+_FINISH_TO_PB = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+                 FinishReason.ABORT: pb.FINISH_REASON_ABORT}
 _FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
 
 
@@ -109,20 +110,26 @@ _PLAIN_PROVENANCE: dict[int, Provenance] = {}
 
 
 def completion_to_pb(c: Completion) -> pb.Completion:
-    return pb.Completion(
+    msg = pb.Completion(
         step_id=c.step_id, prompt_id=c.prompt_id, sample_index=c.sample_index, token_ids=list(c.token_ids),
         logprobs=list(c.logprobs), text=c.text, finish_reason=_FINISH_TO_PB[c.finish_reason],
         policy_version=c.policy_version, worker_id=c.worker_id, provenance=provenance_to_pb(c.provenance),
         prompt_tokens=c.prompt_tokens,
     )
+    if c.version_spans:
+        msg.version_spans.extend(pb.VersionSpan(start=i, policy_version=v) for i, v in c.version_spans)
+    return msg
 
 
 def completion_from_pb(msg: pb.Completion) -> Completion:
     # positional, in Completion's field order (cheaper than keywords on the scheduler's per-completion path);
     # a repeated field copied by a slice first: one C loop, half the cost of iterating the container item by item
-    return Completion(msg.step_id, msg.prompt_id, msg.sample_index, tuple(msg.token_ids[:]), tuple(msg.logprobs[:]),
-                      msg.text, _FINISH_FROM_PB.get(msg.finish_reason, FinishReason.STOP), msg.policy_version,
-                      msg.worker_id, msg.prompt_tokens, provenance_from_pb(msg.provenance))
+    args = (msg.step_id, msg.prompt_id, msg.sample_index, tuple(msg.token_ids[:]), tuple(msg.logprobs[:]),
+            msg.text, _FINISH_FROM_PB.get(msg.finish_reason, FinishReason.STOP), msg.policy_version,
+            msg.worker_id, msg.prompt_tokens, provenance_from_pb(msg.provenance))
+    if msg.version_spans:
+        return Completion(*args, version_spans=tuple((s.start, s.policy_version) for s in msg.version_spans))
+    return Completion(*args)
 
 
 def summary_to_pb(s: StepSummary) -> pb.StepSummary:

@@ -1,7 +1,7 @@
 """gRPC servicers: parse, call the service, map the result. Nothing else lives here.
 
-``RolloutServicer`` serves the trainer's API (Generate, Announce, UpdatePolicy, Status,
-Cancel); ``WorkerLinkServicer`` one bidirectional stream per worker, converting at the edge
+``RolloutServicer`` serves the trainer's API (Generate, Complete, Announce, UpdatePolicy,
+Status, Cancel); ``WorkerLinkServicer`` one bidirectional stream per worker, converting at the edge
 (``wire.py``): worker messages in as core events, the worker's outbox out as messages."""
 
 from __future__ import annotations
@@ -83,6 +83,21 @@ class RolloutServicer(pbg.RolloutServicer):
             async for item in self.service.run_step(spec):
                 for msg in generate_responses(item, request.batch_completions):
                     yield msg
+        except InvalidRequest as exc:
+            await _abort(context, exc)
+
+    async def Complete(self, request: pb.CompleteRequest, context):
+        try:
+            check_request_bytes(request.ByteSize(), self.limits.max_request_bytes)
+            spec = build_step(
+                step_id="call", policy_version=self.service.core.policy_version,
+                prompts=[cv.prompt_from_pb(p) for p in request.prompts], sampling=self._sampling(request.sampling),
+                use_drafts=not request.disable_drafts, limits=self.limits, model=self._model(),
+                tokenize=self.service.tokenize)
+            n = spec.sampling.n
+            async for index, c in self.service.run_requests(spec, request.single_version):
+                mine = replace(c, step_id="", prompt_id=spec.prompts[index // n].prompt_id, sample_index=index % n)
+                yield pb.GenerateResponse(completion=cv.completion_to_pb(mine))
         except InvalidRequest as exc:
             await _abort(context, exc)
 

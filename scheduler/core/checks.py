@@ -9,7 +9,7 @@ requests, and to the step's policy version). Pure: no I/O.
 
 from __future__ import annotations
 
-from bubblespec.client.types import Completion
+from bubblespec.client.types import Completion, FinishReason
 from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits, StepSpec, request_key
 
 __all__ = ["check_completion", "check_replayed"]
@@ -22,6 +22,9 @@ def check_completion(c: Completion, key: str, limits: ModelLimits | None,
     if request_key(c.step_id, c.prompt_id, c.sample_index) != key:
         raise InvalidRequest(field, f"is for {c.step_id!r:.40}/{c.prompt_id!r:.40}/{c.sample_index}, "
                              f"not for its request_key {key!r:.80}")
+    if c.finish_reason is FinishReason.ABORT or c.version_spans:  # the scheduler's own to set (core/pool.py)
+        what = "finish_reason abort" if c.finish_reason is FinishReason.ABORT else "version_spans"
+        raise InvalidRequest(field, f"{what}: only the scheduler says that of a completion")
     vocab = limits.vocab_size if limits is not None else 0
     ids = c.token_ids
     lowest = min(ids, default=None)  # C-level scans, not a Python loop: this runs once per completion

@@ -19,6 +19,7 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_ABORT: _ClassVar[FinishReason]
 
 class ControlOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -35,6 +36,7 @@ SCHEDULING_POLICY_LONGEST_FIRST: SchedulingPolicy
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_ABORT: FinishReason
 CONTROL_OP_UNSPECIFIED: ControlOp
 CONTROL_OP_INIT_WEIGHT_TRANSFER: ControlOp
 CONTROL_OP_START_WEIGHT_UPDATE: ControlOp
@@ -121,7 +123,7 @@ class TopLogprobs(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("step_id", "prompt_id", "sample_index", "token_ids", "logprobs", "text", "finish_reason", "policy_version", "worker_id", "provenance", "prompt_tokens", "stop_string", "stop_token_id", "top_logprobs")
+    __slots__ = ("step_id", "prompt_id", "sample_index", "token_ids", "logprobs", "text", "finish_reason", "policy_version", "worker_id", "provenance", "prompt_tokens", "stop_string", "stop_token_id", "top_logprobs", "version_spans")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +138,7 @@ class Completion(_message.Message):
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_SPANS_FIELD_NUMBER: _ClassVar[int]
     step_id: str
     prompt_id: str
     sample_index: int
@@ -150,7 +153,16 @@ class Completion(_message.Message):
     stop_string: str
     stop_token_id: int
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
-    def __init__(self, step_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., provenance: _Optional[_Union[Provenance, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
+    version_spans: _containers.RepeatedCompositeFieldContainer[VersionSpan]
+    def __init__(self, step_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., provenance: _Optional[_Union[Provenance, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ...) -> None: ...
+
+class VersionSpan(_message.Message):
+    __slots__ = ("start", "policy_version")
+    START_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    policy_version: int
+    def __init__(self, start: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("step_id", "policy_version", "prompts", "sampling", "lookahead", "policy", "disable_drafts", "disable_straggler_watch", "batch_completions")
@@ -173,6 +185,18 @@ class GenerateRequest(_message.Message):
     disable_straggler_watch: bool
     batch_completions: bool
     def __init__(self, step_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., lookahead: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., policy: _Optional[_Union[SchedulingPolicy, str]] = ..., disable_drafts: _Optional[bool] = ..., disable_straggler_watch: _Optional[bool] = ..., batch_completions: _Optional[bool] = ...) -> None: ...
+
+class CompleteRequest(_message.Message):
+    __slots__ = ("prompts", "sampling", "disable_drafts", "single_version")
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DISABLE_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SINGLE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
+    sampling: SamplingParams
+    disable_drafts: bool
+    single_version: bool
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., disable_drafts: _Optional[bool] = ..., single_version: _Optional[bool] = ...) -> None: ...
 
 class StepSummary(_message.Message):
     __slots__ = ("step_id", "policy_version", "completions", "makespan_seconds", "generated_tokens", "provenance", "busy_worker_seconds", "idle_worker_seconds", "drafting_worker_seconds", "requests_moved", "requests_requeued")

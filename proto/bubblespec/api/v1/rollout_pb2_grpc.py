@@ -39,6 +39,11 @@ class RolloutStub:
                 request_serializer=bubblespec_dot_api_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=bubblespec_dot_api_dot_v1_dot_rollout__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Complete = channel.unary_stream(
+                '/bubblespec.v1.Rollout/Complete',
+                request_serializer=bubblespec_dot_api_dot_v1_dot_rollout__pb2.CompleteRequest.SerializeToString,
+                response_deserializer=bubblespec_dot_api_dot_v1_dot_rollout__pb2.GenerateResponse.FromString,
+                _registered_method=True)
         self.Announce = channel.unary_unary(
                 '/bubblespec.v1.Rollout/Announce',
                 request_serializer=bubblespec_dot_api_dot_v1_dot_rollout__pb2.AnnounceRequest.SerializeToString,
@@ -67,6 +72,14 @@ class RolloutServicer:
     def Generate(self, request, context):
         """Runs one step; streams each completion once, then a summary.
         Calling again with the same step_id and the same content resumes the step.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Complete(self, request, context):
+        """Independent requests (no step, no step cap): each completion as it finishes; RESOURCE_EXHAUSTED
+        while the scheduler's pool of calls is full.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -103,6 +116,11 @@ def add_RolloutServicer_to_server(servicer, server):
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
                     request_deserializer=bubblespec_dot_api_dot_v1_dot_rollout__pb2.GenerateRequest.FromString,
+                    response_serializer=bubblespec_dot_api_dot_v1_dot_rollout__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Complete': grpc.unary_stream_rpc_method_handler(
+                    servicer.Complete,
+                    request_deserializer=bubblespec_dot_api_dot_v1_dot_rollout__pb2.CompleteRequest.FromString,
                     response_serializer=bubblespec_dot_api_dot_v1_dot_rollout__pb2.GenerateResponse.SerializeToString,
             ),
             'Announce': grpc.unary_unary_rpc_method_handler(
@@ -152,6 +170,33 @@ class Rollout:
             target,
             '/bubblespec.v1.Rollout/Generate',
             bubblespec_dot_api_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
+            bubblespec_dot_api_dot_v1_dot_rollout__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Complete(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/bubblespec.v1.Rollout/Complete',
+            bubblespec_dot_api_dot_v1_dot_rollout__pb2.CompleteRequest.SerializeToString,
             bubblespec_dot_api_dot_v1_dot_rollout__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
