@@ -1,6 +1,7 @@
 """vLLM's RL control routes on the real cluster (two vLLM CPU workers, real gRPC), over HTTP:
 world size, prime-rl's weight update (``pause?mode=keep`` -> ``update_weights {weight_dir}`` ->
-``resume``), and a step in flight across that sequence.
+``resume``), a step in flight across that sequence, and independent HTTP calls in flight across
+each pause mode (``core/pool.py``).
 
 The cluster is shared by the session: every test leaves it resumed, at a fresh version loaded
 from the tiny model (what the other modules expect).
@@ -66,13 +67,17 @@ async def test_prime_rl_update_sequence_changes_and_restores_greedy_output(clust
         before = await _greedy(http, prompts)
         assert await _post(http, "/pause", params={"mode": "keep", "clear_cache": "false"}) == {"status": "paused"}
         assert (await http.get("/is_paused")).json() == {"is_paused": True}
-        r = await http.post("/v1/completions", json={"prompt": [list(prompts[0])], "max_tokens": 4})
-        assert r.status_code == 503 and "paused" in r.json()["error"]["message"]
+        waiting = asyncio.create_task(http.post("/v1/completions", json={  # as vllm serve: it waits for /resume
+            "prompt": [list(prompts[0])], "max_tokens": 4, "temperature": 0.0, "return_token_ids": True}))
+        await asyncio.sleep(0.5)
+        assert not waiting.done()
         done = await _post(http, "/update_weights", json={"weight_dir": perturbed})
         assert done == {"status": "ok", "policy_version": v0 + 1, "workers": 2}
         assert await _post(http, "/resume") == {"status": "resumed"}
         changed = await _greedy(http, prompts)
         assert changed != before
+        r = await waiting  # it ran after the resume, under the new weights
+        assert r.status_code == 200 and tuple(r.json()["choices"][0]["token_ids"]) == changed[0][:4]
         await _post(http, "/pause", params={"mode": "keep"})
         assert (await _post(http, "/update_weights", json={"weight_dir": tiny_model}))["policy_version"] == v0 + 2
         await _post(http, "/resume")
@@ -116,3 +121,119 @@ async def test_a_step_kept_across_an_update_finishes_at_the_new_version(cluster,
         expected = {c.prompt_id: c.token_ids for c in reference.completions}
         rerun = [c for c in got if c.policy_version == v0 + 1]
         assert rerun and all(c.token_ids == expected[c.prompt_id] for c in rerun)  # from scratch at the new weights
+
+
+async def _long_calls(http: httpx.AsyncClient, prompts, max_tokens: int = 480) -> list[asyncio.Task]:
+    """One greedy call per prompt on vLLM's token-in/token-out route, started now."""
+    sampling = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    return [asyncio.create_task(http.post("/inference/v1/generate", json={"token_ids": list(p),
+                                                                          "sampling_params": sampling}))
+            for p in prompts]
+
+
+async def _choice(task: asyncio.Task) -> dict:
+    r = await task
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+async def _until_running(core, count: int) -> None:
+    """Until ``count`` of the calls run on workers, and a moment more for them to make tokens
+    (progress reports come every 0.5 s: too rarely to wait on)."""
+    for _ in range(3000):
+        pool = core.steps.get("requests")
+        if pool is not None and sum(1 for r in pool.requests.values() if r.worker) >= count:
+            await asyncio.sleep(0.3)
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the calls never ran")
+
+
+async def test_calls_kept_across_an_update_go_on_from_their_tokens_and_report_each_spans_version(cluster, tiny_model):
+    """pause(keep) -> update_weights -> resume with calls in flight: each goes on from the tokens
+    it had, under the new version, and says which version made which tokens (vLLM's
+    ``weight_versions``). The new version loads the same weights again, so every token is still
+    exactly the greedy reference's (the continuation is exact), and the spans are visible."""
+    core = cluster.scheduler.core
+    prompts = token_prompts(8, seed=79)
+    async with _restored(cluster, tiny_model), _http(cluster) as http:
+        v0 = core.version
+        expected = [tuple((await _choice(t))["token_ids"]) for t in await _long_calls(http, prompts)]
+        calls = await _long_calls(http, prompts)
+        await _until_running(core, 8)
+        await _post(http, "/pause", params={"mode": "keep"})
+        assert (await _post(http, "/update_weights", json={"weight_dir": tiny_model}))["policy_version"] == v0 + 1
+        await _post(http, "/resume")
+        answers = [await _choice(t) for t in calls]
+        assert [tuple(a["token_ids"]) for a in answers] == expected  # exact across the stop and the new version
+        versions = [[(s["version"], s["start"], s["end"]) for s in a["weight_versions"]] for a in answers]
+        assert sum(len(v) == 2 for v in versions) >= 2, versions  # the ones running at the pause span two
+        for v in versions:
+            assert v[-1][0] == str(v0 + 1) and v[-1][2] == 480 and v[0][1] == 0
+            assert all(a[2] == b[1] for a, b in zip(v, v[1:]))  # contiguous
+
+
+async def test_calls_aborted_by_a_pause_answer_with_their_tokens_and_finish_reason_abort(cluster, tiny_model):
+    core = cluster.scheduler.core
+    prompts = token_prompts(8, seed=83)
+    async with _restored(cluster, tiny_model), _http(cluster) as http:
+        calls = await _long_calls(http, prompts)
+        await _until_running(core, 8)
+        await _post(http, "/pause", params={"mode": "abort"})
+        choices = [await _choice(t) for t in calls]
+        assert all(c["finish_reason"] == "abort" for c in choices)
+        assert sum(0 < len(c["token_ids"]) < 480 for c in choices) >= 2  # partials, not nothing
+        await _post(http, "/resume")
+        full = [tuple((await _choice(t))["token_ids"]) for t in await _long_calls(http, prompts)]
+        for c, f in zip(choices, full):
+            assert tuple(c["token_ids"]) == f[:len(c["token_ids"])]  # what it had: the greedy output's start
+        assert core.steps.get("requests") is None
+
+
+async def test_a_caller_that_disconnects_mid_stream_frees_its_worker(cluster, tiny_model):
+    """A streamed call whose client goes away: its request is aborted on the worker's engine
+    (nothing runs on for nobody) and the next call is served as usual."""
+    cancelled: list[str] = []
+    for agent in cluster.agents:  # what the workers are told to stop, on the way to their engines
+        agent._cancel = _recording(agent._cancel, cancelled)
+    try:
+        await _disconnect_mid_stream(cluster, tiny_model, cancelled)
+    finally:
+        for agent in cluster.agents:
+            del agent._cancel  # the class's own again
+
+
+async def _disconnect_mid_stream(cluster, tiny_model, cancelled: list[str]) -> None:
+    core = cluster.scheduler.core
+    [prompt] = token_prompts(1, seed=89)
+    body = {"token_ids": list(prompt), "stream": True,
+            "sampling_params": {"max_tokens": 480, "temperature": 0.0, "ignore_eos": True}}
+    async with _restored(cluster, tiny_model), _http(cluster) as http:
+        async with http.stream("POST", "/inference/v1/generate", json=body) as r:
+            assert r.status_code == 200
+            await _until_running(core, 1)
+            [key] = core.steps["requests"].requests
+        for _ in range(500):  # the connection is closed: the scheduler aborts the request
+            if core.steps.get("requests") is None and not any(w.running for w in core.workers.values()):
+                break
+            await asyncio.sleep(0.01)
+        assert core.steps.get("requests") is None and not any(w.running for w in core.workers.values())
+
+        def in_engines() -> list[str]:  # vLLM's own requests, by their external id (the request key)
+            return [state.external_req_id for engine in cluster.engines
+                    for state in engine._llm.output_processor.request_states.values() if state.external_req_id == key]
+
+        for _ in range(500):  # and the workers' engines let go of it
+            if not in_engines():
+                break
+            await asyncio.sleep(0.01)
+        assert in_engines() == [] and key in cancelled
+        short = await _choice((await _long_calls(http, [prompt], max_tokens=4))[0])
+        assert len(short["token_ids"]) == 4
+
+
+def _recording(cancel, into: list[str]):
+    async def recorded(key: str) -> None:
+        into.append(key)
+        await cancel(key)
+    return recorded

@@ -30,20 +30,19 @@ def _reward(completions, **kwargs) -> list[float]:
 
 
 class StepSpy:
-    """Wraps ``service.run_step``: the spec of each step the HTTP routes ran, and the policy
+    """Wraps ``service.run_requests``: the spec of each call the HTTP routes ran, and the policy
     versions of the completions it returned."""
 
     def __init__(self, service):
-        self.real, self.steps = service.run_step, []
+        self.real, self.steps = service.run_requests, []
 
     async def __call__(self, spec, *args, **kwargs):
         record = {"spec": spec, "versions": set(), "completions": 0}
         self.steps.append(record)
-        async for item in self.real(spec, *args, **kwargs):
-            for c in item if isinstance(item, list) else ():  # completions (then the summary)
-                record["versions"].add(c.policy_version)
-                record["completions"] += 1
-            yield item
+        async for index, c in self.real(spec, *args, **kwargs):
+            record["versions"].add(c.policy_version)
+            record["completions"] += 1
+            yield index, c
 
 
 def _train(base_url: str, target: str, tiny_model: str, out_dir: str, weights: str):
@@ -69,7 +68,7 @@ def _train(base_url: str, target: str, tiny_model: str, out_dir: str, weights: s
 async def test_grpo_trainer_rolls_out_through_bubblespec(cluster, tiny_model, tmp_path, monkeypatch):
     core = cluster.scheduler.core
     spy = StepSpy(cluster.scheduler.service)
-    monkeypatch.setattr(cluster.scheduler.service, "run_step", spy)
+    monkeypatch.setattr(cluster.scheduler.service, "run_requests", spy)
     base_url = f"http://127.0.0.1:{cluster.scheduler.http_port}"
     v0 = core.version
     try:
