@@ -142,13 +142,14 @@ def check_sampling(sp: object, n: object = None, field: str = "sampling") -> Non
         raise fail(field, f"must be a SamplingParams, got {_kind(sp)}")
     check_float(sp.temperature, f"{field}.temperature")
     check_float(sp.top_p, f"{field}.top_p")
-    for name in ("top_k", "max_tokens", "n"):
+    for name in ("top_k", "max_tokens", "n", "min_tokens", "logprobs"):
         check_int(getattr(sp, name), f"{field}.{name}")
     _strings(sp.stop, f"{field}.stop")
     _token_ids(sp.stop_token_ids, f"{field}.stop_token_ids")
     if sp.seed is not None:
         check_int(sp.seed, f"{field}.seed", *INT64)
-    check_bool(sp.ignore_eos, f"{field}.ignore_eos")
+    for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
+        check_bool(getattr(sp, name), f"{field}.{name}")
     if not isinstance(sp.logprobs_mode, str):
         raise fail(f"{field}.logprobs_mode", f"must be a str ('processed', 'raw' or ''), got {_kind(sp.logprobs_mode)}")
     if n is not None:

@@ -11,7 +11,7 @@ from bubblespec.client.types import (
 )
 
 __all__ = [
-    "completion_from_pb", "completion_to_pb", "policy_from_pb", "policy_to_pb", "prompt_from_pb",
+    "completion_from_pb", "completion_to_pb", "int64_seed", "policy_from_pb", "policy_to_pb", "prompt_from_pb",
     "prompt_to_pb", "sampling_from_pb", "sampling_to_pb", "summary_from_pb", "summary_to_pb",
 ]
 
@@ -39,19 +39,32 @@ def policy_from_pb(value: int) -> SchedulingPolicy | None:
     return _POLICY_FROM_PB[value]
 
 
+def int64_seed(seed: int) -> int:
+    """``seed`` modulo 2**64 as a signed int64 (two's complement): the same seed for torch's
+    generator, which reads any seed modulo 2**64. Sample i of a step uses seed + i, which
+    passes 2**63 - 1 where the step's seed is near it; vLLM's own ``n`` > 1 does the same sum."""
+    return (seed + 2**63) % 2**64 - 2**63
+
+
 def sampling_to_pb(sp: SamplingParams) -> pb.SamplingParams:
     msg = pb.SamplingParams(
         temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, max_tokens=sp.max_tokens,
         stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids), n=sp.n, ignore_eos=sp.ignore_eos,
-        logprobs_mode=sp.logprobs_mode,
+        logprobs_mode=sp.logprobs_mode, min_tokens=sp.min_tokens,
+        include_stop_str_in_output=sp.include_stop_str_in_output, logprobs=sp.logprobs,
     )
     if sp.seed is not None:
-        msg.seed = sp.seed
+        msg.seed = int64_seed(sp.seed)
+    if not sp.skip_special_tokens:  # unset = True
+        msg.skip_special_tokens = False
+    if not sp.spaces_between_special_tokens:
+        msg.spaces_between_special_tokens = False
     return msg
 
 
 def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
-    """Proto3 zeros mean "unset" for top_p, top_k and n."""
+    """Proto3 zeros mean "unset" for top_p, top_k and n; unset booleans of vLLM's that default
+    to true (``skip_special_tokens``, ``spaces_between_special_tokens``) are true."""
     return SamplingParams(
         temperature=msg.temperature,
         top_p=msg.top_p if msg.top_p != 0 else 1.0,
@@ -63,6 +76,12 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         n=msg.n,
         ignore_eos=msg.ignore_eos,
         logprobs_mode=msg.logprobs_mode,
+        min_tokens=msg.min_tokens,
+        include_stop_str_in_output=msg.include_stop_str_in_output,
+        skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True,
+        spaces_between_special_tokens=(msg.spaces_between_special_tokens
+                                       if msg.HasField("spaces_between_special_tokens") else True),
+        logprobs=msg.logprobs,
     )
 
 
@@ -116,9 +135,25 @@ def completion_to_pb(c: Completion) -> pb.Completion:
         policy_version=c.policy_version, worker_id=c.worker_id, provenance=provenance_to_pb(c.provenance),
         prompt_tokens=c.prompt_tokens,
     )
+    if isinstance(c.stop_reason, str):
+        msg.stop_string = c.stop_reason
+    elif c.stop_reason is not None:
+        msg.stop_token_id = c.stop_reason
+    if c.top_logprobs:
+        msg.top_logprobs.extend(pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
+                                for top in c.top_logprobs)
     if c.version_spans:
         msg.version_spans.extend(pb.VersionSpan(start=i, policy_version=v) for i, v in c.version_spans)
     return msg
+
+
+def _stop_reason(msg: pb.Completion) -> str | int | None:
+    kind = msg.WhichOneof("stop_reason")
+    return None if kind is None else getattr(msg, kind)
+
+
+def _top_logprobs(msg: pb.Completion) -> tuple[tuple[tuple[int, float], ...], ...]:
+    return tuple(tuple(zip(t.token_ids[:], t.logprobs[:], strict=False)) for t in msg.top_logprobs)
 
 
 def completion_from_pb(msg: pb.Completion) -> Completion:
@@ -127,8 +162,9 @@ def completion_from_pb(msg: pb.Completion) -> Completion:
     args = (msg.step_id, msg.prompt_id, msg.sample_index, tuple(msg.token_ids[:]), tuple(msg.logprobs[:]),
             msg.text, _FINISH_FROM_PB.get(msg.finish_reason, FinishReason.STOP), msg.policy_version,
             msg.worker_id, msg.prompt_tokens, provenance_from_pb(msg.provenance))
-    if msg.version_spans:
-        return Completion(*args, version_spans=tuple((s.start, s.policy_version) for s in msg.version_spans))
+    if msg.top_logprobs or msg.version_spans or msg.WhichOneof("stop_reason") is not None:
+        return Completion(*args, stop_reason=_stop_reason(msg), top_logprobs=_top_logprobs(msg),
+                          version_spans=tuple((s.start, s.policy_version) for s in msg.version_spans))
     return Completion(*args)
 
 

@@ -6,7 +6,7 @@ Frozen dataclasses only; conversion to and from protobuf lives in ``_convert``.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 __all__ = [
     "Completion",
@@ -40,9 +40,11 @@ class FinishReason(str, enum.Enum):
     """Stopped by a ``/pause?mode=abort`` before its end (vLLM's ``abort``): what it generated."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class SamplingParams:
-    """Sampling parameters of a step (vLLM semantics). Sample i of a prompt uses seed + i."""
+    """Sampling parameters of a step (vLLM semantics). ``seed`` is any int64, as vLLM's HTTP API
+    takes it; sample i of a prompt uses seed + i taken modulo 2**64, the seed torch's generator
+    gets from vLLM's own ``seed + i`` for ``n`` > 1 (torch reads a seed modulo 2**64)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -60,6 +62,33 @@ class SamplingParams:
     default (``SchedulerSettings.default_logprobs_mode``, processed unless configured). Each
     worker's engine returns one mode (``EngineSettings.logprobs_mode``, processed by default); a
     step asking for a mode no connected worker returns is refused, naming ``sampling.logprobs_mode``."""
+    min_tokens: int = 0
+    """Tokens generated before EOS, ``stop_token_ids`` or ``stop`` may end a response (vLLM's
+    ``min_tokens``); at most ``max_tokens``."""
+    include_stop_str_in_output: bool = False
+    """Keep the matched stop string at the end of ``Completion.text`` (vLLM's)."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of ``Completion.text`` (vLLM's); token ids are the same either way."""
+    spaces_between_special_tokens: bool = True
+    """vLLM's: spaces between special tokens in the text, where they are kept."""
+    logprobs: int = 0
+    """Top alternatives per token: each completion's ``top_logprobs`` holds the ``logprobs``
+    most likely tokens at each position with their logprobs (the same kind as
+    ``Completion.logprobs``, ``logprobs_mode``), most likely first; 0 = none. At most
+    ``Limits.max_logprobs`` (vLLM's ``max_logprobs``, 20). Every completion carries the
+    sampled token's logprob whatever this is."""
+
+    def __repr__(self) -> str:
+        """The dataclass's repr, leaving out the fields from ``min_tokens`` on where they hold
+        their defaults: a step's fingerprint hashes this repr (``build_step``), and the journal of
+        a step that does not use them keeps the fingerprint schedulers wrote before they existed."""
+        shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
+                          if f.name not in _LATER_FIELDS or getattr(self, f.name) != f.default)
+        return f"SamplingParams({shown})"
+
+
+_LATER_FIELDS = frozenset(("min_tokens", "include_stop_str_in_output", "skip_special_tokens",
+                           "spaces_between_special_tokens", "logprobs"))
 
 
 @dataclass(frozen=True)
@@ -124,6 +153,12 @@ class Completion:
     """(first token index, policy version) of each span of ``token_ids`` made with one policy
     version, where a request went on across a policy update (``/pause?mode=keep``); () when
     ``policy_version`` made every token."""
+    stop_reason: str | int | None = None
+    """What stopped it, as vLLM's ``stop_reason``: the matched stop string, or the stop token id
+    (``SamplingParams.stop_token_ids``) it generated; None for EOS and for ``length``."""
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    """Per token, its position's ``SamplingParams.logprobs`` most likely (token id, logprob)
+    pairs, most likely first; () when none were asked for."""
 
     @property
     def key(self) -> tuple[str, str, int]:

@@ -13,7 +13,8 @@
   module is installed. ``POST /reload_weights`` (prime-rl): back to the weights the workers
   started from, as a new version.
 - ``GET /server_info?config_format=json`` -> ``{"vllm_config": {...}}`` with what trainers read
-  (TRL: ``model_config.logprobs_mode``, ``weight_transfer_config``, ``parallel_config``).
+  (TRL: ``model_config.logprobs_mode`` and ``model_config.dtype``, ``weight_transfer_config``,
+  ``parallel_config``, ``lora_config``).
 
 Every route takes the trainer token when the scheduler has one (401 otherwise); every refusal
 is an OpenAI error ``{"error": {message, type, param, code}}`` naming the field, and changes
@@ -48,6 +49,13 @@ def world_size(scheduler: SchedulerApp) -> int:
     return sum(max(1, w.tensor_parallel_size) for w in scheduler.service.core.stats().workers)
 
 
+def _dtype(scheduler: SchedulerApp) -> str | None:
+    """vLLM's ``model_config.dtype`` as its JSON dump writes it (``torch.bfloat16``): the dtype
+    the live workers' engines run the model in; None where no worker said, or they differ."""
+    dtypes = {w.dtype for w in scheduler.service.core.stats().workers}
+    return f"torch.{dtypes.pop()}" if len(dtypes) == 1 and "" not in dtypes else None
+
+
 def server_config(scheduler: SchedulerApp) -> dict:
     """The part of vLLM's ``VllmConfig`` JSON that trainers read."""
     s = scheduler.settings
@@ -59,10 +67,12 @@ def server_config(scheduler: SchedulerApp) -> dict:
             "model": s.model_name(), "served_model_name": s.model_name(), "tokenizer": s.tokenizer or None,
             "max_model_len": None if limits is None else limits.max_model_len,
             "logprobs_mode": "processed_logprobs" if s.default_logprobs_mode == "processed" else "raw_logprobs",
+            "dtype": _dtype(scheduler), "max_logprobs": s.limits.max_logprobs, "skip_tokenizer_init": False,
         },
         "parallel_config": {"world_size": ranks, "world_size_across_dp": ranks, "tensor_parallel_size": ranks,
                             "pipeline_parallel_size": 1, "data_parallel_size": 1},
         "weight_transfer_config": {"backend": backend} if backend else None,
+        "lora_config": None,  # no LoRA adapters: TRL's async trainers then sync whole weights
     }
 
 

@@ -165,7 +165,7 @@ class WorkerLinkServicer(pbg.WorkerLinkServicer):
             link = self.service.attach_worker(WorkerHello(
                 h.worker_id, h.capacity, h.policy_version, ModelLimits(h.max_model_len, h.vocab_size), h.speculation,
                 h.logprobs_mode or "processed", model=h.model, tensor_parallel_size=max(1, h.tensor_parallel_size),
-                accepts_resume=h.accepts_resume),
+                accepts_resume=h.accepts_resume, dtype=h.dtype[:40]),
                 accepts_assign_batches=h.accepts_assign_batches)
         except InvalidRequest as exc:
             await _abort(context, exc)

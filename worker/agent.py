@@ -24,10 +24,11 @@ from bubblespec.api.v1 import rollout_pb2_grpc as pbg
 from bubblespec.client import _convert as cv
 from bubblespec.client._base import keepalive_options
 from bubblespec.client.types import Completion
+from bubblespec.scheduler.core.drafting import shares_draft_seeds
 from bubblespec.store import DraftEntry, DraftSource, DraftStore, prompt_key
 from bubblespec.worker.checkpoint import CheckpointError
 from bubblespec.worker.engine import Engine, EngineOutput, EngineRequest, EngineSettings
-from bubblespec.worker.resume import joined, partial, resumed
+from bubblespec.worker.resume import joined, joined_top_logprobs, partial, resumed
 
 __all__ = ["WorkerAgent", "WorkerSettings", "stop_agents"]
 
@@ -212,7 +213,7 @@ class WorkerAgent:
         return pb.Hello(worker_id=self.worker_id, capacity=self.settings.engine.max_num_seqs,
                         policy_version=self.version, max_model_len=info.max_model_len,
                         vocab_size=info.vocab_size, model=info.model, speculation=info.speculation,
-                        logprobs_mode=info.logprobs_mode,
+                        logprobs_mode=info.logprobs_mode, dtype=info.dtype,
                         tensor_parallel_size=self.settings.engine.tensor_parallel_size,
                         accepts_assign_batches=True, accepts_resume=True)
 
@@ -411,11 +412,15 @@ class WorkerAgent:
 
     # ------------------------------------------------------------ generation --
 
-    async def _drafts_for(self, prompt: tuple[int, ...]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    async def _drafts_for(self, prompt: tuple[int, ...], seed: int | None = None) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """The stored drafts of ``prompt``; a request whose ``seed`` a draft job could have had
+        gets none of the draft jobs' (``future``) ones (``shares_draft_seeds``)."""
         if self.store is None:
             return ()
         pk = prompt_key(prompt)
         entries = (await self.store.get_drafts([pk])).get(pk, [])
+        if shares_draft_seeds(seed):
+            entries = [e for e in entries if e.source is not DraftSource.FUTURE]
         entries = entries[: self.settings.max_drafts_per_request]
         return tuple((e.source.value, e.tokens) for e in entries if e.tokens)
 
@@ -429,8 +434,9 @@ class WorkerAgent:
         prompt: tuple[int, ...] = ()
         try:
             prompt = tuple(a.prompt_token_ids[:])  # a slice first: one C loop, not one call per token
-            drafts = await self._drafts_for(prompt) if a.use_drafts else ()
-            request = EngineRequest(key, prompt, cv.sampling_from_pb(a.sampling), drafts, a.use_drafts,
+            sampling = cv.sampling_from_pb(a.sampling)
+            drafts = await self._drafts_for(prompt, sampling.seed) if a.use_drafts else ()
+            request = EngineRequest(key, prompt, sampling, drafts, a.use_drafts,
                                     predicted_tokens=a.predicted_tokens, stream_tokens=ASSIGNMENT_STREAM_TOKENS)
             done_before = 0
             if before is not None:
@@ -454,7 +460,8 @@ class WorkerAgent:
                 raise RuntimeError(f"the weights changed from version {loaded} to {self.version} during generation")
             ids, logprobs, text, provenance = joined(before, final)
             c = Completion(a.step_id, a.prompt_id, a.sample_index, ids, logprobs, text,
-                           final.finish_reason, loaded, self.worker_id, len(prompt), provenance)
+                           final.finish_reason, loaded, self.worker_id, len(prompt), provenance,
+                           stop_reason=final.stop_reason, top_logprobs=joined_top_logprobs(before, final))
             self._progress.pop(key, None)  # finished: its last progress report says nothing more
             for src in final.provenance.sources:
                 tally = self.spec_tokens.setdefault(src.source, [0, 0])

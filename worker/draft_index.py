@@ -403,8 +403,11 @@ class RequestDrafter:
         prompt_tokens=(),
         predicted: float = 0.0,
         draft_job: bool = False,
+        min_tokens: int = 0,
     ):
         self.key = key
+        self.min_tokens = min_tokens
+        """The request's ``min_tokens``: drafts never reach it from below (``propose``)."""
         self.draft_job = draft_job
         """A draft job's generation: left out of the batch's makespan plan (``tail_drafts``),
         drafted by the paying rule."""
@@ -489,6 +492,14 @@ class RequestDrafter:
         that continues the request (then nothing comes from the request's own text)."""
         if self._suffix is not None:
             self._sync_suffix(generated)
+        if len(generated) < self.min_tokens:
+            # vLLM 0.32 masks stop tokens at the bonus position (after the drafts) by the output length
+            # *before* them, so a draft that reached min_tokens would keep EOS and stop tokens away from
+            # a position where they are allowed. Drafting at most min_tokens - len - 1 tokens keeps the
+            # bonus position below min_tokens, where the mask is right (docs/EXACTNESS.md).
+            most = self.min_tokens - len(generated) - 1
+            cap = min(cap, most)
+            k = None if k is None else min(k, most)
         decided = k is not None
         self.held_back = False
         pos = self._advance(generated) if (cap if k is None else k) > 0 and self.candidates else None

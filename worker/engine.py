@@ -140,6 +140,9 @@ class EngineInfo:
     speculation: bool
     logprobs_mode: str = "processed"
     """The kind of logprobs this engine returns (``EngineSettings.logprobs_mode``)."""
+    dtype: str = ""
+    """The dtype the engine runs the model in, as torch names it without ``torch.`` (e.g.
+    ``bfloat16``; '' = not known): vLLM's resolved ``model_config.dtype``."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,11 @@ class EngineOutput:
     text: str = ""
     finish_reason: FinishReason | None = None
     provenance: Provenance = field(default_factory=Provenance)
+    stop_reason: str | int | None = None
+    """vLLM's: the stop string or stop token id that ended it (final output only)."""
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    """Per token, the ``sampling.logprobs`` most likely (token id, logprob), most likely first
+    (() when none were asked for); a live list in progress outputs, as ``token_ids``."""
 
 
 class Engine(Protocol):
@@ -337,7 +345,8 @@ class VllmEngine:
             attached = await self._llm.collective_rpc("bubblespec_attach")
             if not all(attached):
                 raise RuntimeError("the BubbleSpec proposer did not attach to the model runner")
-        self.info = EngineInfo(s.model, s.max_model_len, vocab, spec is not None, s.logprobs_mode)
+        dtype = str(self._llm.model_config.dtype).removeprefix("torch.")
+        self.info = EngineInfo(s.model, s.max_model_len, vocab, spec is not None, s.logprobs_mode, dtype)
         logger.info("vLLM engine ready: model=%s vocab=%d speculation=%s", s.model, vocab, spec is not None)
 
     @property
@@ -355,9 +364,14 @@ class VllmEngine:
         drafts = [[src, _pack(tokens)] for src, tokens in request.drafts]
         return VllmParams(
             n=1, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
-            max_tokens=sp.max_tokens, stop=list(sp.stop) or None,
-            stop_token_ids=list(sp.stop_token_ids) or None, seed=sp.seed,
-            ignore_eos=sp.ignore_eos, logprobs=None if request.draft_job else 0,
+            max_tokens=sp.max_tokens, min_tokens=sp.min_tokens, stop=list(sp.stop) or None,
+            stop_token_ids=list(sp.stop_token_ids) or None,
+            # modulo 2**64: torch reads a seed so (a negative one as its two's complement), and vLLM
+            # would take a seed of -1 for none
+            seed=None if sp.seed is None else sp.seed % 2**64,
+            ignore_eos=sp.ignore_eos, logprobs=None if request.draft_job else sp.logprobs,
+            include_stop_str_in_output=sp.include_stop_str_in_output, skip_special_tokens=sp.skip_special_tokens,
+            spaces_between_special_tokens=sp.spaces_between_special_tokens,
             detokenize=not request.draft_job or bool(sp.stop),
             output_kind=RequestOutputKind.DELTA, stream_interval=request.stream_tokens if request.stream_tokens > 1 else None,
             extra_args={"bubblespec": {"key": request.key, "drafts": drafts, "enabled": request.use_drafts,
@@ -372,16 +386,20 @@ class VllmEngine:
         prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
         tokens: list[int] = []
         logprobs: list[float] = []
+        tops: list[tuple[tuple[int, float], ...]] = []
         text: list[str] = []
-        reason = None
+        reason = stop_reason = None
+        top_n = 0 if request.draft_job else request.sampling.logprobs
         async for out in self._llm.generate(prompt, self._params(request), request_id=request.key):
             c = out.outputs[0]
             tokens.extend(c.token_ids)
             logprobs.extend(float(step[tok].logprob) for step, tok in zip(c.logprobs or (), c.token_ids))
+            if top_n:
+                tops.extend(_top(step, top_n) for step in c.logprobs or ())
             text.append(c.text)
-            reason = c.finish_reason
+            reason, stop_reason = c.finish_reason, c.stop_reason
             if not out.finished:
-                yield EngineOutput(request.key, tokens, logprobs, text)  # type: ignore[arg-type]
+                yield EngineOutput(request.key, tokens, logprobs, text, top_logprobs=tops)  # type: ignore[arg-type]
         if reason is None:
             return
         finish = _FINISH_REASONS.get(reason)
@@ -391,7 +409,7 @@ class VllmEngine:
             raise GenerationFailed(f"vLLM ended the request with finish reason {reason!r} after {len(tokens)} tokens")
         yield EngineOutput(
             request.key, tuple(tokens), tuple(logprobs), "".join(text), finish,
-            await self._provenance(request.key, len(tokens)),
+            await self._provenance(request.key, len(tokens)), stop_reason, tuple(tops),
         )
 
     async def _provenance(self, key: str, num_tokens: int) -> Provenance:
@@ -495,6 +513,14 @@ _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 class GenerationFailed(RuntimeError):
     """The engine ended a request without a result (vLLM finish reason ``abort`` or ``error``).
     The worker reports the request aborted; the scheduler counts a failed attempt."""
+
+
+def _top(step: dict, n: int) -> tuple[tuple[int, float], ...]:
+    """The ``n`` most likely (token id, logprob) of one position's vLLM logprobs (the sampled
+    token first, then the top ``n`` by rank; the sampled one is among them where it ranks within
+    ``n``), most likely first."""
+    ranked = sorted((lp.rank, tok, float(lp.logprob)) for tok, lp in step.items() if lp.rank is not None and lp.rank <= n)
+    return tuple((tok, lp) for _, tok, lp in ranked[:n])  # a tie with the sampled token can rank n + 1 of them
 
 
 def _stats_provenance(stats: dict) -> Provenance:

@@ -330,7 +330,8 @@ class BubbleSpecProposer:
         prompt = tuple(state.prompt_token_ids or ())
         drafter = RequestDrafter(cands, self.rule, key=extra["key"], prompt_hash=hash(prompt),
                                  prompt_len=len(prompt), suffix=self.suffix, prompt_tokens=prompt,
-                                 predicted=float(extra.get("predicted") or 0.0), draft_job=bool(extra.get("job")))
+                                 predicted=float(extra.get("predicted") or 0.0), draft_job=bool(extra.get("job")),
+                                 min_tokens=int(getattr(params, "min_tokens", 0) or 0))
         self.drafters[req_id] = drafter
         return drafter
 

@@ -24,7 +24,7 @@ from bubblespec.client.types import Completion, FinishReason, Provenance
 from bubblespec.scheduler.core.moves import resume_seed
 from bubblespec.worker.engine import EngineOutput, EngineRequest
 
-__all__ = ["joined", "partial", "resumed"]
+__all__ = ["joined", "joined_top_logprobs", "partial", "resumed"]
 
 
 def resumed(request: EngineRequest, before: Completion) -> EngineRequest:
@@ -34,7 +34,8 @@ def resumed(request: EngineRequest, before: Completion) -> EngineRequest:
     if left < 1:
         raise ValueError(f"resume: {n} tokens already, max_tokens is {request.sampling.max_tokens}")
     seed = request.sampling.seed
-    sampling = replace(request.sampling, max_tokens=left, seed=None if seed is None else resume_seed(seed, n))
+    sampling = replace(request.sampling, max_tokens=left, min_tokens=max(0, request.sampling.min_tokens - n),
+                       seed=None if seed is None else resume_seed(seed, n))
     drafts = tuple((source, tokens[n:]) for source, tokens in request.drafts if len(tokens) > n)
     return replace(request, prompt_token_ids=request.prompt_token_ids + tuple(before.token_ids), sampling=sampling,
                    drafts=drafts, predicted_tokens=max(0.0, request.predicted_tokens - n))
@@ -48,6 +49,16 @@ def joined(before: Completion | None, final: EngineOutput) -> tuple[tuple[int, .
             before.text + final.text, before.provenance + final.provenance)
 
 
+def joined_top_logprobs(before: Completion | None, final: EngineOutput) -> tuple:
+    """``Completion.top_logprobs`` of a request that went on after ``before``: one entry per token
+    where both parts have them, else ()."""
+    if before is None or not before.token_ids:
+        return tuple(final.top_logprobs)
+    if len(before.top_logprobs) != len(before.token_ids) or len(final.top_logprobs) != len(final.token_ids):
+        return ()
+    return tuple(before.top_logprobs) + tuple(final.top_logprobs)
+
+
 def partial(step_id: str, prompt_id: str, sample_index: int, before: Completion | None, last: EngineOutput | None,
             version: int, worker_id: str, prompt_tokens: int, provenance: Provenance | None) -> Completion:
     """What a stopped request generated: ``before`` (if it had moved here) and ``last``, its
@@ -56,6 +67,7 @@ def partial(step_id: str, prompt_id: str, sample_index: int, before: Completion 
     last progress output made tokens that are not in it)."""
     tokens = tuple(last.token_ids) if last is not None else ()
     logprobs = tuple(last.logprobs) if last is not None else ()
+    tops = tuple(last.top_logprobs) if last is not None and len(last.top_logprobs) == len(tokens) else ()
     text = "" if last is None else last.text if isinstance(last.text, str) else "".join(last.text)
     if provenance is None:
         provenance = Provenance(forward_passes=len(tokens))
@@ -67,8 +79,10 @@ def partial(step_id: str, prompt_id: str, sample_index: int, before: Completion 
         sources.append(replace(s, accepted_tokens=took))
     mine = Completion(step_id, prompt_id, sample_index, tokens, logprobs if len(logprobs) == len(tokens) else (),
                       text, FinishReason.STOP, version, worker_id, prompt_tokens,
-                      Provenance(len(tokens) - accepted, tuple(sources)))
+                      Provenance(len(tokens) - accepted, tuple(sources)), top_logprobs=tops)
     if before is None:
         return mine
-    ids, lps, txt, prov = joined(before, EngineOutput("", mine.token_ids, mine.logprobs, mine.text, None, mine.provenance))
-    return replace(mine, token_ids=ids, logprobs=lps if len(lps) == len(ids) else (), text=txt, provenance=prov)
+    last_part = EngineOutput("", mine.token_ids, mine.logprobs, mine.text, None, mine.provenance, top_logprobs=tops)
+    ids, lps, txt, prov = joined(before, last_part)
+    return replace(mine, token_ids=ids, logprobs=lps if len(lps) == len(ids) else (), text=txt, provenance=prov,
+                   top_logprobs=joined_top_logprobs(before, last_part))

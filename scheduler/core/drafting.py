@@ -21,12 +21,21 @@ from dataclasses import dataclass, field, replace
 from bubblespec.client.types import SamplingParams
 from bubblespec.scheduler.core.types import InvalidRequest
 
-__all__ = ["DRAFT_SEEDS", "DraftPlanner", "Upcoming", "draft_seed", "job_sampling", "paying_draft_tokens"]
+__all__ = ["DRAFT_SEEDS", "DraftPlanner", "Upcoming", "draft_seed", "job_sampling", "paying_draft_tokens",
+           "shares_draft_seeds"]
 
 DRAFT_SEEDS = (3 * 2**61, 2**63)
-"""Draft jobs' seeds: [3·2**61, 2**63). A request's seed is below 2**62 + n (validation
-caps ``sampling.seed`` at 2**62, sample i adds i), so no draft ever shares a request's seed,
-and with it the random stream that verifies the draft (docs/EXACTNESS.md)."""
+"""Draft jobs' seeds: [3·2**61, 2**63). A request may have any int64 seed (vLLM's range), so
+these are also request seeds; a request whose seed falls here gets no draft job's draft
+(``shares_draft_seeds``), so no draft is ever verified under the seed, and with it the random
+stream, that generated it (docs/EXACTNESS.md)."""
+
+
+def shares_draft_seeds(seed: int | None) -> bool:
+    """A request with ``seed`` could meet a draft job's seed: its seed, as torch's generator
+    reads it (modulo 2**64), lies in ``DRAFT_SEEDS``. Such a request must not verify draft
+    jobs' drafts (``future``); other drafts, and every other seed, are safe."""
+    return seed is not None and DRAFT_SEEDS[0] <= seed % 2**64 < DRAFT_SEEDS[1]
 
 
 def paying_draft_tokens(accept: float, most: int, per_draft_token_seconds: float, tokens_per_second: float,

@@ -43,6 +43,9 @@ class Limits:
     """UTF-8 bytes of one stop string."""
     max_stop_token_ids: int = 1024
     """Stop token ids per request."""
+    max_logprobs: int = 20
+    """Top alternatives per token (``sampling.logprobs``): vLLM's ``max_logprobs``, which the
+    workers' engines leave at its default (20); an engine refuses a request that asks for more."""
     max_prompt_text_bytes: int = 2**20
     """UTF-8 bytes of one text prompt (checked before it is tokenized). Token-id prompts are
     bounded by the model length."""
@@ -79,7 +82,7 @@ def worker_message_bound(limits: Limits, max_model_len: int) -> int:
     tags and length prefixes take at most 6 bytes per field or item."""
     ids = 3 * (128 + 6) + 6 * 11  # request key / job id, step id, prompt id; integer fields
     prompt = 5 * max_model_len + 6
-    sampling = 6 + 12 * 11 + limits.max_stop_strings * (limits.max_stop_string_bytes + 6) \
+    sampling = 6 + 17 * 11 + limits.max_stop_strings * (limits.max_stop_string_bytes + 6) \
         + 5 * limits.max_stop_token_ids + 6
     load = limits.max_weights_path_bytes + 6 + 11
     return 16 + max(ids + prompt + sampling, load)
@@ -139,8 +142,17 @@ def check_sampling(sp: SamplingParams, limits: Limits, model: ModelLimits) -> No
         if not _is_int(tok) or not 0 <= tok < model.vocab_size:
             raise InvalidRequest(f"sampling.stop_token_ids[{i}]",
                                  f"{tok!r:.40} is outside the vocabulary [0, {model.vocab_size})")
-    if sp.seed is not None and (not _is_int(sp.seed) or not 0 <= sp.seed < 2**62):
-        raise InvalidRequest("sampling.seed", f"must be in [0, 2**62), got {sp.seed!r:.40}")
+    if sp.seed is not None and (not _is_int(sp.seed) or not -(2**63) <= sp.seed < 2**63):
+        raise InvalidRequest("sampling.seed", f"must be an int64, in [-2**63, 2**63), got {sp.seed!r:.40}")
+    if not _is_int(sp.min_tokens) or not 0 <= sp.min_tokens <= sp.max_tokens:
+        raise InvalidRequest("sampling.min_tokens", f"must be between 0 and max_tokens ({sp.max_tokens}), "
+                             f"got {sp.min_tokens!r:.40}")
+    if not _is_int(sp.logprobs) or not 0 <= sp.logprobs <= limits.max_logprobs:
+        raise InvalidRequest("sampling.logprobs", f"must be between 0 and {limits.max_logprobs} (top alternatives "
+                             f"per token), got {sp.logprobs!r:.40}")
+    for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
+        if not isinstance(getattr(sp, name), bool):
+            raise InvalidRequest(f"sampling.{name}", f"must be a boolean, got {getattr(sp, name)!r:.40}")
     if sp.logprobs_mode not in ("", *LOGPROBS_MODES):
         raise InvalidRequest("sampling.logprobs_mode", f"must be one of {', '.join(LOGPROBS_MODES)} "
                              f"('' = the scheduler's default), got {sp.logprobs_mode!r:.40}")
@@ -190,6 +202,8 @@ def _prompts(prompts: Sequence[Prompt], sp: SamplingParams, model: ModelLimits, 
         max_tokens = p.max_tokens or sp.max_tokens
         if max_tokens < 0:
             raise InvalidRequest(f"{field}.max_tokens", f"must be >= 0, got {p.max_tokens}")
+        if max_tokens < sp.min_tokens:
+            raise InvalidRequest(f"{field}.max_tokens", f"{max_tokens} is below sampling.min_tokens ({sp.min_tokens})")
         if len(ids) + max_tokens > model.max_model_len:
             raise InvalidRequest(
                 f"{field}.max_tokens",

@@ -43,6 +43,8 @@ class WorkerView:
     drafting_seconds: float
     segments: tuple[tuple[str, float, float], ...] = ()
     """Its recent closed timeline segments (state, since, until): only from ``core.worker()``."""
+    dtype: str = ""
+    """The dtype its engine runs the model in ('' = not said)."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,7 @@ def worker_view(w: WorkerState, now: float, segments: bool = False) -> WorkerVie
         running=len(w.running), queued=len(w.private), tokens_per_second=w.tokens_per_second,
         model=w.hello.model, tensor_parallel_size=w.hello.tensor_parallel_size,
         busy_seconds=totals["busy"], idle_seconds=totals["idle"], drafting_seconds=totals["drafting"],
-        segments=tuple(t.segments) if segments else (),
+        segments=tuple(t.segments) if segments else (), dtype=w.hello.dtype,
     )
 
 

@@ -40,8 +40,8 @@ Rows (id: what is sent -> expected answer):
     max-tokens-negative         -1 -> INVALID_ARGUMENT sampling.max_tokens
     n-int32-max                 2**31-1 -> INVALID_ARGUMENT sampling.n
     n-negative                  -3 -> INVALID_ARGUMENT sampling.n
-    seed-int64-max              2**63-1 -> INVALID_ARGUMENT sampling.seed
-    seed-negative               -1 -> INVALID_ARGUMENT sampling.seed
+    min-tokens-over-max-tokens  10**6 -> INVALID_ARGUMENT sampling.min_tokens (seeds: any int64 is valid)
+    logprobs-over-max           21 alternatives per token -> INVALID_ARGUMENT sampling.logprobs
     logprobs-mode-unknown       "logits" -> INVALID_ARGUMENT sampling.logprobs_mode
     logprobs-mode-not-served    "raw", every worker returns processed -> FAILED_PRECONDITION
                                 sampling.logprobs_mode
@@ -333,8 +333,8 @@ TRAINER_ROWS = [
     Row("max-tokens-negative", "sdk", sampling(max_tokens=-1), INVALID, "sampling.max_tokens"),
     Row("n-int32-max", "sdk", sampling(n=2**31 - 1), INVALID, "sampling.n"),
     Row("n-negative", "sdk", sampling(n=-3), INVALID, "sampling.n"),
-    Row("seed-int64-max", "sdk", sampling(seed=2**63 - 1), INVALID, "sampling.seed"),
-    Row("seed-negative", "sdk", sampling(seed=-1), INVALID, "sampling.seed"),
+    Row("min-tokens-over-max-tokens", "sdk", sampling(min_tokens=10**6), INVALID, "sampling.min_tokens"),
+    Row("logprobs-over-max", "sdk", sampling(logprobs=21), INVALID, "sampling.logprobs"),
     Row("logprobs-mode-unknown", "sdk", sampling(logprobs_mode="logits"), INVALID, "sampling.logprobs_mode"),
     Row("logprobs-mode-not-served", "sdk", sampling(logprobs_mode="raw"), PRECONDITION, "sampling.logprobs_mode"),
     Row("stop-empty-string", "sdk", sampling(stop=("",)), INVALID, "sampling.stop"),

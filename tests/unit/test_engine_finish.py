@@ -36,7 +36,8 @@ class FakeLLM:
 
 def _output(tokens, reason, finished):
     logprobs = [{t: SimpleNamespace(logprob=-0.5)} for t in tokens]
-    return SimpleNamespace(outputs=[SimpleNamespace(token_ids=tokens, logprobs=logprobs, text="t", finish_reason=reason)],
+    return SimpleNamespace(outputs=[SimpleNamespace(token_ids=tokens, logprobs=logprobs, text="t", finish_reason=reason,
+                                                   stop_reason=None)],
                            finished=finished)
 
 

@@ -183,12 +183,13 @@ def test_no_draft_job_runs_beside_a_moved_request():
     assert core.workers["b"].moved_in == {key} and core._beside(core.workers["b"], 1) == 0
 
 
-def test_resume_seeds_are_fresh_and_never_a_requests_or_a_draft_jobs():
-    top = 2**62 - 1  # the largest seed validation lets a step have (sample i adds i)
-    seen = {resume_seed(s, t) for s in (0, 1, top) for t in (1, 2, 1000)}
-    assert len(seen) == 9
+def test_resume_seeds_are_fresh_and_never_a_draft_jobs():
+    top = 2**63 - 1  # the largest seed validation lets a step have (sample i adds i, modulo 2**64)
+    seeds = (0, 1, 2**60, 2**61, -1, -(2**63), top, top + 63)  # a few differing only in their top bits
+    seen = {resume_seed(s, t) for s in seeds for t in (1, 2, 1000)}
+    assert len(seen) == 3 * len(seeds)
     assert all(RESUME_SEEDS[0] <= x < RESUME_SEEDS[1] for x in seen)
-    assert RESUME_SEEDS[0] > top + 2**31 and RESUME_SEEDS[1] <= DRAFT_SEEDS[0]
+    assert RESUME_SEEDS[1] <= DRAFT_SEEDS[0]
 
 
 def test_a_move_the_core_called_off_frees_its_worker_for_another():

@@ -82,7 +82,9 @@ def _largest_messages(limits: Limits, max_model_len: int) -> list[pb.SchedulerMe
     sampling = SamplingParams(temperature=1e300, top_p=0.123456789, top_k=-1, max_tokens=top,
                               stop=tuple("\N{FIRE}" * (limits.max_stop_string_bytes // 4)
                                          for _ in range(limits.max_stop_strings)),
-                              stop_token_ids=(top,) * limits.max_stop_token_ids, seed=2**62 - 1, n=top, ignore_eos=True)
+                              stop_token_ids=(top,) * limits.max_stop_token_ids, seed=-(2**63), n=top, ignore_eos=True,
+                              min_tokens=top, include_stop_str_in_output=True, skip_special_tokens=False,
+                              spaces_between_special_tokens=False, logprobs=top, logprobs_mode="processed")
     prompt = [top] * (max_model_len - 1)
     assign = pb.Assignment(request_key=f"{ident}/{ident}/{top}", step_id=ident, prompt_id=ident, sample_index=top,
                            prompt_token_ids=prompt, sampling=cv.sampling_to_pb(sampling), policy_version=2**63 - 1,

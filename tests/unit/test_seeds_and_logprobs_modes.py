@@ -9,7 +9,7 @@ import pytest
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.client import _convert as cv
 from bubblespec.client.types import Completion, FinishReason, Prompt, SamplingParams
-from bubblespec.scheduler.core.drafting import DRAFT_SEEDS
+from bubblespec.scheduler.core.drafting import DRAFT_SEEDS, shares_draft_seeds
 from bubblespec.scheduler.core.state import CoreSettings, SchedulerCore
 from bubblespec.scheduler.core.types import Assign, InvalidRequest, ModelLimits, RequestSpec, StartDraft, WorkerHello
 from bubblespec.scheduler.core.validate import Limits, build_step, check_sampling
@@ -59,10 +59,12 @@ def test_draft_jobs_never_get_a_requests_seed(seed):
     assert all(s is not None and DRAFT_SEEDS[0] <= s < DRAFT_SEEDS[1] for s in seeds), seeds
     assert not set(seeds) & request_seeds
     assert len(set(seeds)) == len(seeds), "each draft job draws its own noise"
-    # every request seed the validator lets through lies below the draft range
-    top = SamplingParams(seed=2**62 - 1, n=Limits().max_samples, max_tokens=8)
-    check_sampling(top, Limits(), LIMITS)
-    assert top.seed + top.n - 1 < DRAFT_SEEDS[0]
+    # a request may have any int64 seed, a draft job's included: such a request verifies no draft job's draft
+    for seed in (DRAFT_SEEDS[0], DRAFT_SEEDS[1] - 1, -(2**63)):
+        check_sampling(SamplingParams(seed=seed, max_tokens=8), Limits(), LIMITS)
+    assert shares_draft_seeds(DRAFT_SEEDS[0]) and shares_draft_seeds(DRAFT_SEEDS[1] - 1)
+    assert shares_draft_seeds(DRAFT_SEEDS[0] - 2**64)  # the same seed for torch
+    assert not any(shares_draft_seeds(s) for s in (None, 0, DRAFT_SEEDS[0] - 1, -1, -(2**63)))
 
 
 def test_draft_seeds_are_deterministic_given_the_injected_rng():

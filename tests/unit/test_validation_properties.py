@@ -79,6 +79,7 @@ samplings = st.builds(
     stop=st.lists(st.text(max_size=3), max_size=4).map(tuple),
     stop_token_ids=st.lists(sloppy(ints), max_size=3).map(tuple),
     seed=st.one_of(st.none(), sloppy(ints)), n=sloppy(ints), ignore_eos=st.booleans(),
+    min_tokens=sloppy(ints), logprobs=sloppy(ints), skip_special_tokens=st.booleans(),
 )
 model_limits = st.builds(ModelLimits, max_model_len=st.integers(2, 64), vocab_size=st.integers(1, 64))
 limits = st.builds(Limits, max_prompts=st.integers(1, 4), max_samples=st.integers(1, 4),
@@ -135,7 +136,9 @@ def check_sampling_invariants(sp: SamplingParams, lim: Limits, model: ModelLimit
     assert is_int(sp.max_tokens) and 1 <= sp.max_tokens < model.max_model_len
     assert len(sp.stop) <= lim.max_stop_strings and all(sp.stop)
     assert all(is_int(t) and 0 <= t < model.vocab_size for t in sp.stop_token_ids)
-    assert sp.seed is None or (is_int(sp.seed) and 0 <= sp.seed < 2**62)
+    assert sp.seed is None or (is_int(sp.seed) and -(2**63) <= sp.seed < 2**63)
+    assert is_int(sp.min_tokens) and 0 <= sp.min_tokens <= sp.max_tokens
+    assert is_int(sp.logprobs) and 0 <= sp.logprobs <= lim.max_logprobs
 
 
 def check_step_invariants(spec: StepSpec, inputs: dict, lim: Limits, model: ModelLimits) -> None:
@@ -190,7 +193,8 @@ def valid_requests(draw):
         top_k=draw(st.sampled_from([-1, 1, 5])), max_tokens=max_tokens,
         stop=tuple(draw(st.lists(st.text(min_size=1, max_size=3), max_size=lim.max_stop_strings))),
         stop_token_ids=tuple(draw(st.lists(st.integers(0, model.vocab_size - 1), max_size=2))),
-        seed=draw(st.one_of(st.none(), st.integers(0, 2**62 - 1))), n=draw(st.integers(1, lim.max_samples)),
+        seed=draw(st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1))), n=draw(st.integers(1, lim.max_samples)),
+        min_tokens=draw(st.integers(0, max_tokens)), logprobs=draw(st.integers(0, lim.max_logprobs)),
     )
     ahead = [Prompt(f"l{i}", token_ids=draw(prompts(valid=True, vocab=model.vocab_size, room=model.max_model_len)
                                             ).token_ids) for i in range(draw(st.integers(0, lim.max_lookahead)))]
@@ -211,7 +215,8 @@ def test_valid_requests_build_deterministically(request):
 SAMPLING_WILD = {"temperature": sloppy(reals), "top_p": sloppy(reals), "top_k": sloppy(ints),
                  "max_tokens": sloppy(ints), "n": sloppy(ints), "seed": st.one_of(st.none(), sloppy(ints)),
                  "stop": st.lists(st.text(max_size=3), max_size=4).map(tuple),
-                 "stop_token_ids": st.lists(sloppy(ints), max_size=3).map(tuple)}
+                 "stop_token_ids": st.lists(sloppy(ints), max_size=3).map(tuple),
+                 "min_tokens": sloppy(ints), "logprobs": sloppy(ints)}
 
 
 @st.composite
@@ -271,7 +276,9 @@ SPOILERS = {
     "top_p": _spoil_sampling("top_p", 0.0 - 1.0),
     "top_k": _spoil_sampling("top_k", 0),
     "n": _spoil_sampling("n", 0),
-    "seed": _spoil_sampling("seed", -5),
+    "seed": _spoil_sampling("seed", 2**63),
+    "min_tokens": _spoil_sampling("min_tokens", -1),
+    "logprobs": _spoil_sampling("logprobs", 21),
     "max_tokens": _spoil_sampling("max_tokens", 0),
     "stop": _spoil_sampling("stop", ("",)),
     "prompt_id": _spoil_prompt(lambda p, m: (dataclasses.replace(p, prompt_id="../x"), "prompts[{i}].prompt_id")),
