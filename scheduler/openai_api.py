@@ -7,8 +7,8 @@ cluster's work as independent requests (``SchedulerService.run_requests``, ``cor
 drafting, straggler watch, moves and exactness apply, calls with the same prompt are one group,
 and the number of calls in flight is bounded only by the pool's limits (a full pool answers 429
 with ``Retry-After``). A refused request is an OpenAI error ``{"error": {message, type,
-param, code}}`` naming the OpenAI parameter, and changes no state. ``logprobs`` is 0 or 1:
-BubbleSpec returns the sampled token's logprob only, not the top-k alternatives.
+param, code}}`` naming the OpenAI parameter, and changes no state. Every request field is
+served or refused by name (``request_fields``: an allow-list of vLLM 0.32's fields).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from bubblespec.client.types import Prompt, SamplingParams, SchedulingPolicy
 from bubblespec.scheduler.core.types import ErrorCode, InvalidRequest, ModelLimits
 from bubblespec.scheduler.core.validate import build_step
+from bubblespec.scheduler.request_fields import COMPLETIONS, Refused, Served, check_fields, check_stream_options
 
 if TYPE_CHECKING:
     from bubblespec.scheduler.app import SchedulerApp
@@ -40,13 +41,6 @@ STATUS = {ErrorCode.INVALID_ARGUMENT: 400, ErrorCode.FAILED_PRECONDITION: 400, E
 """HTTP status of an ``InvalidRequest`` code, on every OpenAI-shaped route of the scheduler."""
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 409: "ConflictError",
           413: "BadRequestError", 429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
-# Fields of vLLM's CompletionRequest that BubbleSpec does not implement: refused unless left at
-# their default, so that no request is silently answered under other semantics than it asked for.
-_UNSUPPORTED = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),
-                "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-                "repetition_penalty": (None, 1, 1.0), "min_p": (None, 0, 0.0), "min_tokens": (None, 0),
-                "prompt_logprobs": (None,), "use_beam_search": (None, False), "guided_json": (None,),
-                "response_format": (None,), "structured_outputs": (None,), "prompt_embeds": (None,)}
 _DEFAULT_MAX_TOKENS = 16  # vLLM's CompletionRequest default
 
 
@@ -110,17 +104,20 @@ def _ids(raw: Any) -> tuple:
     raise InvalidRequest("stop_token_ids", "must be a list of token ids")
 
 
-def parse_sampling(body: dict, default_logprobs_mode: str, unsupported: dict = _UNSUPPORTED) -> SamplingParams:
-    """vLLM's defaults: max_tokens 16, temperature 1, top_p 1, top_k off (0 or -1), n 1. Fields of
-    ``unsupported`` are refused unless at one of their defaults."""
-    for name, defaults in unsupported.items():
-        if body.get(name) not in defaults:
-            raise InvalidRequest(name, "is not supported by BubbleSpec (docs/INTEGRATIONS.md)")
+def parse_sampling(body: dict, default_logprobs_mode: str,
+                   fields: dict[str, Served | Refused] = COMPLETIONS) -> SamplingParams:
+    """vLLM's defaults: max_tokens 16, temperature 1, top_p 1, top_k off (0 or -1), n 1, seed -1
+    = none. Every field of ``body`` must be one ``fields`` serves (``request_fields``); value
+    checks are ``build_step``'s."""
+    check_fields(body, fields)
+    check_stream_options(body)
     logprobs = body.get("logprobs")
-    if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= 1):
-        raise InvalidRequest("logprobs", f"must be 0 or 1 (BubbleSpec returns the sampled token's logprob only, "
-                                         f"not top-k alternatives), got {logprobs!r:.40}")
-    top_k = body.get("top_k")
+    if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool) or logprobs < 0):
+        raise InvalidRequest("logprobs", f"must be an integer >= 0 (alternatives per token besides the sampled "
+                                         f"token), got {logprobs!r:.40}")
+    if body.get("request_id") is not None and not isinstance(body["request_id"], str):
+        raise InvalidRequest("request_id", f"must be a string, got {body['request_id']!r:.40}")
+    top_k, seed = body.get("top_k"), body.get("seed")
 
     def pick(name, default):
         return default if body.get(name) is None else body[name]
@@ -128,8 +125,11 @@ def parse_sampling(body: dict, default_logprobs_mode: str, unsupported: dict = _
     return SamplingParams(
         temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=-1 if top_k in (None, 0) else top_k,
         max_tokens=pick("max_tokens", _DEFAULT_MAX_TOKENS), stop=_stop(body.get("stop")),
-        stop_token_ids=_ids(body.get("stop_token_ids")), seed=body.get("seed"), n=pick("n", 1),
-        ignore_eos=bool(body.get("ignore_eos", False)), logprobs_mode=default_logprobs_mode)
+        stop_token_ids=_ids(body.get("stop_token_ids")), seed=None if seed == -1 else seed, n=pick("n", 1),
+        ignore_eos=pick("ignore_eos", False), logprobs_mode=default_logprobs_mode,
+        min_tokens=pick("min_tokens", 0), include_stop_str_in_output=pick("include_stop_str_in_output", False),
+        skip_special_tokens=pick("skip_special_tokens", True),
+        spaces_between_special_tokens=pick("spaces_between_special_tokens", True), logprobs=logprobs or 0)
 
 
 @cache
@@ -142,22 +142,25 @@ def _decoder(path: str):
     return Tokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p))
 
 
-def _logprobs(ids, lps, decode) -> dict:
-    """vLLM's completion logprobs layout, the sampled token only in ``top_logprobs``."""
-    tokens = [decode(t) for t in ids]
+def _logprobs(c, decode) -> dict:
+    """vLLM's completion logprobs layout: per token, ``top_logprobs`` maps the sampled token and
+    then the ``logprobs`` most likely ones (a token once, at its first place) to their logprobs."""
+    tokens = [decode(t) for t in c.token_ids]
     offsets, at = [], 0
     for tok in tokens:
         offsets.append(at)
         at += len(tok)
-    token_lps = [max(float(lp), -9999.0) for lp in lps]
-    return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens,
-            "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, token_lps)]}
+    token_lps = [max(float(lp), -9999.0) for lp in c.logprobs]
+    tops = c.top_logprobs or [()] * len(tokens)
+    top = [{tok: lp, **{decode(t): max(float(x), -9999.0) for t, x in alternatives}}
+           for tok, lp, alternatives in zip(tokens, token_lps, tops, strict=False)]
+    return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens, "top_logprobs": top}
 
 
 def _choice(c, index: int, spec, body: dict, token) -> dict:
     prompt_ids = spec.prompts[index // spec.sampling.n].token_ids
-    choice = {"index": index, "text": c.text, "finish_reason": c.finish_reason.value, "stop_reason": None,
-              "logprobs": None if body.get("logprobs") is None else _logprobs(c.token_ids, c.logprobs, token)}
+    choice = {"index": index, "text": c.text, "finish_reason": c.finish_reason.value, "stop_reason": c.stop_reason,
+              "logprobs": None if body.get("logprobs") is None else _logprobs(c, token)}
     if body.get("return_token_ids"):
         choice["prompt_token_ids"] = list(prompt_ids)
         choice["token_ids"] = list(c.token_ids)
@@ -177,7 +180,8 @@ class _Completions:
 
     def __init__(self, scheduler: SchedulerApp, body: dict):
         self.scheduler, self.body = scheduler, body
-        self.id = f"{self.ID_PREFIX}-{uuid.uuid4().hex}"
+        rid = body.get("request_id")  # vLLM's answer id: <prefix>-<request_id>
+        self.id = f"{self.ID_PREFIX}-{rid if isinstance(rid, str) else uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = scheduler.settings.model_name()
         self.rename: dict[str, str] = {}  # openai_param names -> this route's parameter names

@@ -23,22 +23,14 @@ import jinja2.sandbox
 
 from bubblespec.client.types import Prompt, SamplingParams
 from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits
-from bubblespec.scheduler.openai_api import _UNSUPPORTED, _Completions, _decoder, parse_sampling
+from bubblespec.scheduler.openai_api import _Completions, _decoder, parse_sampling
+from bubblespec.scheduler.request_fields import CHAT
 
 __all__ = ["ChatCompletions", "load_chat_template", "parse_messages", "render_chat"]
 
 ROLES = ("system", "user", "assistant")
 # transformers' SPECIAL_TOKENS_ATTRIBUTES: the variables apply_chat_template passes to a template
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-# Fields of vLLM's ChatCompletionRequest that BubbleSpec does not implement: refused unless left at
-# their default (completions' list, less the fields chat does not have).
-_UNSUPPORTED_CHAT = {
-    **{k: v for k, v in _UNSUPPORTED.items() if k not in ("best_of", "suffix", "prompt_embeds")},
-    "tools": (None,), "tool_choice": (None, "none", "auto"), "add_generation_prompt": (None, True),
-    "continue_final_message": (None, False), "chat_template": (None,), "chat_template_kwargs": (None, {}),
-    "documents": (None,), "logprob_token_ids": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
-    "reasoning_effort": (None,), "thinking_token_budget": (None,),
-}
 _NO_TEMPLATE = ("the model has no chat template (chat_template.jinja or tokenizer_config.json's chat_template "
                 "in the scheduler's tokenizer directory); as in vLLM, no default chat template is used")
 
@@ -140,12 +132,21 @@ def parse_messages(raw) -> list[dict]:
     return out
 
 
-def _logprobs(ids, lps, token, text) -> dict:
+def _logprobs(c, n: int, token, text) -> dict:
     """vLLM's chat logprobs: ``bytes`` are the decoded token's even when ``token`` is "token_id:<id>";
-    ``top_logprobs`` is empty (``top_logprobs`` 0, the only value BubbleSpec accepts)."""
-    return {"content": [{"token": token(t), "logprob": max(float(lp), -9999.0),
-                         "bytes": list(text(t).encode("utf-8", errors="replace")), "top_logprobs": []}
-                        for t, lp in zip(ids, lps, strict=False)]}
+    ``top_logprobs`` lists the first ``n`` (``top_logprobs``) of the sampled token followed by the
+    most likely ones (a token once, at its first place), as vLLM 0.32 lists them."""
+    def entry(t: int, lp: float, *, with_bytes_of=text) -> dict:
+        return {"token": token(t), "logprob": max(float(lp), -9999.0),
+                "bytes": list(with_bytes_of(t).encode("utf-8", errors="replace"))}
+
+    tops = c.top_logprobs or [()] * len(c.token_ids)
+    content = []
+    for t, lp, alternatives in zip(c.token_ids, c.logprobs, tops, strict=False):
+        ranked = dict([(t, lp), *((a, x) for a, x in alternatives if a != t)])
+        top = [entry(a, x, with_bytes_of=token) for a, x in list(ranked.items())[:n]]
+        content.append({**entry(t, lp), "top_logprobs": top})
+    return {"content": content}
 
 
 class ChatCompletions(_Completions):
@@ -178,21 +179,25 @@ class ChatCompletions(_Completions):
         body = self.body
         if body.get("logprobs") not in (None, True, False):
             raise InvalidRequest("logprobs", f"must be a boolean, got {body.get('logprobs')!r:.40}")
-        if body.get("top_logprobs") not in (None, 0):
-            raise InvalidRequest("top_logprobs", f"must be 0: BubbleSpec returns the sampled token's logprob only, "
-                                                 f"not top-k alternatives; got {body.get('top_logprobs')!r:.40}")
+        top = body.get("top_logprobs")
+        if top is not None and (not isinstance(top, int) or isinstance(top, bool) or top < 0):
+            raise InvalidRequest("top_logprobs", f"must be an integer >= 0, got {top!r:.40}")
+        if top and not body.get("logprobs"):
+            raise InvalidRequest("top_logprobs", "when using `top_logprobs`, `logprobs` must be set to true "
+                                                 "(as in vLLM)")
+        self.rename["logprobs"] = "top_logprobs"  # sampling.logprobs is top_logprobs here
         limit = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None),
                      max(1, model.max_model_len - len(self.prompt_ids)))
-        return parse_sampling({**body, "max_tokens": limit, "logprobs": None},
-                              self.scheduler.settings.default_logprobs_mode, _UNSUPPORTED_CHAT)
+        return parse_sampling({**body, "max_tokens": limit, "logprobs": (top or 0) if body.get("logprobs") else None},
+                              self.scheduler.settings.default_logprobs_mode, CHAT)
 
     def choice(self, c, index: int, spec) -> dict:
         message = {"role": "assistant", "content": c.text, "refusal": None, "annotations": None, "audio": None,
                    "function_call": None, "reasoning": None}
         return {"index": index, "message": message,
-                "logprobs": _logprobs(c.token_ids, c.logprobs, self.token, self.text) if self.body.get("logprobs")
-                else None,
-                "finish_reason": c.finish_reason.value, "stop_reason": None,
+                "logprobs": _logprobs(c, self.body.get("top_logprobs") or 0, self.token, self.text)
+                if self.body.get("logprobs") else None,
+                "finish_reason": c.finish_reason.value, "stop_reason": c.stop_reason,
                 "token_ids": list(c.token_ids) if self.body.get("return_token_ids") else None}
 
     def _prompt_ids(self) -> list[int] | None:

@@ -146,7 +146,11 @@ MSG = [{"role": "user", "content": "2+2="}]
     ({"messages": MSG, "max_completion_tokens": -1, "max_tokens": 5}, 400, "max_completion_tokens"),
     ({"messages": MSG, "max_tokens": 10**6}, 400, "max_tokens"),
     ({"messages": MSG, "temperature": -1}, 400, "temperature"),
-    ({"messages": MSG, "logprobs": True, "top_logprobs": 2}, 400, "top_logprobs"),
+    ({"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),  # without logprobs: true, as vLLM refuses it
+    ({"messages": MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),  # over max_logprobs
+    ({"messages": MSG, "top_logprobs": -1}, 400, "top_logprobs"),
+    ({"messages": MSG, "min_tokens": 7, "max_tokens": 5}, 400, "min_tokens"),
+    ({"messages": MSG, "best_of": 2}, 400, "best_of"),  # not a field of vLLM 0.32's request
     ({"messages": MSG, "logprobs": 1.5}, 400, "logprobs"),
     ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ({"messages": MSG, "tool_choice": "required"}, 400, "tool_choice"),
