@@ -30,7 +30,7 @@ ROUTES = [("GET", "/get_world_size"), ("POST", "/pause"), ("POST", "/resume"), (
 
 class ScriptedWorker:
     """Answers the scheduler's messages on a worker link: loads succeed (or fail with
-    ``load_error``); assignments are answered once ``release`` is set."""
+    ``load_error``); assignments are answered once ``release`` is set; aborts are recorded."""
 
     def __init__(self, service: SchedulerService, wid: str, model: str = "/models/base", load_error: str = "",
                  ranks: int = 1):
@@ -38,6 +38,7 @@ class ScriptedWorker:
         self.link = service.attach_worker(WorkerHello(wid, 2, 0, LIMITS, False, model=model, tensor_parallel_size=ranks))
         self.release = asyncio.Event()
         self.loads: list[tuple[int, str]] = []
+        self.aborts: list[str] = []
         self.task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:
@@ -53,6 +54,8 @@ class ScriptedWorker:
                     version=msg.load_policy.version, ok=not self.load_error, error=self.load_error)))
             elif kind == "assign":
                 asyncio.create_task(self._complete(msg.assign))
+            elif kind == "abort":
+                self.aborts.append(msg.abort.request_key)
 
     async def _complete(self, a: pb.Assignment) -> None:
         await self.release.wait()

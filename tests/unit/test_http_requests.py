@@ -10,29 +10,8 @@ import json
 from collections import Counter
 
 from bubblespec.scheduler.core.pool import POOL
-from bubblespec.scheduler.wire import scheduler_message
-from bubblespec.scheduler.service import END
 
 from tests.unit.test_control_routes import ScriptedWorker, assert_error, make_app
-
-
-class RecordingWorker(ScriptedWorker):
-    """A scripted worker that also records the aborts it is sent."""
-
-    def __init__(self, *args, **kw):
-        self.aborts: list[str] = []
-        super().__init__(*args, **kw)
-
-    async def _run(self) -> None:
-        while True:
-            item = await self.link.outbox.get()
-            if item is END:
-                return
-            msg = scheduler_message(item)
-            if msg.WhichOneof("kind") == "abort":
-                self.aborts.append(msg.abort.request_key)
-            elif msg.WhichOneof("kind") == "assign":
-                asyncio.create_task(self._complete(msg.assign))
 
 
 def body(i: int, **over) -> dict:
@@ -94,7 +73,7 @@ async def test_a_caller_that_disconnects_has_its_request_aborted_on_the_worker()
         app, scheduler = make_app()
         # a real client's disconnect, through the ASGI transport: the call's task is cancelled
         async with app as http:
-            worker = RecordingWorker(scheduler.service, "a")
+            worker = ScriptedWorker(scheduler.service, "a")
             key = await _disconnect_after_assign(http, scheduler, worker, body(0, stream=stream))
             for _ in range(100):
                 if worker.aborts:
