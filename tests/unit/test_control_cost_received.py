@@ -54,7 +54,8 @@ def test_the_received_message_is_the_delivered_encoding(monkeypatch):
 
 
 def test_fields_this_scheduler_does_not_know_are_not_passed_on(monkeypatch):
-    unknown = bytes([15 << 3 | 2, 3]) + b"abc"  # field 15 (not in this proto), length-delimited
+    unknown = bytes([(31 << 3 | 2) & 0x7F | 0x80, (31 << 3 | 2) >> 7, 3]) + b"abc"  # field 31 (not in this proto),
+    # length-delimited (its tag a two-byte varint)
     event, encoded = _fed(_message(pb.FINISH_REASON_STOP, unknown), monkeypatch)
     assert ENCODED == [] and b"abc" not in encoded.SerializeToString()
     assert encoded == cv.completion_to_pb(event.completion)
