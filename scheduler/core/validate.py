@@ -33,8 +33,10 @@ class Limits:
 
     max_prompts: int = 65536
     """Prompts per step."""
-    max_samples: int = 64
-    """Samples per prompt (``sampling.n``)."""
+    max_samples: int = 16_384
+    """Samples per prompt (``sampling.n``): vLLM's own limit (``VLLM_MAX_N_SEQUENCES``)."""
+    max_requests: int = 1 << 20
+    """Requests (prompts times ``sampling.n``) of one step or call."""
     max_lookahead: int = 65536
     """Lookahead prompts per step, and prompts per Announce."""
     max_stop_strings: int = 16
@@ -236,6 +238,9 @@ def build_step(
     if len(lookahead) > limits.max_lookahead:
         raise InvalidRequest("lookahead", f"at most {limits.max_lookahead} prompts, got {len(lookahead)}")
     check_sampling(sampling, limits, model)
+    if len(prompts) * sampling.n > limits.max_requests:
+        raise InvalidRequest("sampling.n", f"{len(prompts)} prompts x n {sampling.n} = {len(prompts) * sampling.n} "
+                             f"requests, at most {limits.max_requests} per step or call")
     specs = _prompts(prompts, sampling, model, tokenize, limits)
     ahead = tuple(prompt_tokens(p, f"lookahead[{i}]", model, tokenize, limits) for i, p in enumerate(lookahead))
     digest = hashlib.sha256(repr((policy_version, specs, sampling, ahead, policy.value, use_drafts)).encode())

@@ -236,3 +236,15 @@ def test_calls_of_one_prompt_go_to_the_worker_running_their_group():
     assert [len(w) for w in placed.values()] == [1, 1] and placed[(5, 6)] != placed[(5, 7)]
     _, actions = core.submit_requests(call((5, 6)))  # every worker is full: it waits in the queue
     assert of(actions, Assign) == []
+
+
+def test_n_up_to_vllms_limit_and_requests_per_call_bounded():
+    spec = build_step(step_id="c", policy_version=0, prompts=[Prompt("p0", token_ids=(5, 6))],
+                      sampling=SamplingParams(n=16_384, max_tokens=4), limits=Limits(), model=LIMITS)
+    assert spec.num_requests == 16_384  # vLLM's VLLM_MAX_N_SEQUENCES
+    with pytest.raises(InvalidRequest, match="sampling.n"):
+        build_step(step_id="c", policy_version=0, prompts=[Prompt("p0", token_ids=(5, 6))],
+                   sampling=SamplingParams(n=16_385, max_tokens=4), limits=Limits(), model=LIMITS)
+    with pytest.raises(InvalidRequest, match="at most 8 per step or call"):
+        build_step(step_id="c", policy_version=0, prompts=[Prompt(f"p{i}", token_ids=(5, 6)) for i in range(3)],
+                   sampling=SamplingParams(n=3, max_tokens=4), limits=Limits(max_requests=8), model=LIMITS)
