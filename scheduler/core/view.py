@@ -147,6 +147,7 @@ class CoreView:
     limits: ModelLimits | None
     planner: Any
     pauser: Any
+    pool: Any
     _barrier: Any
 
     def _current_step(self) -> StepState | None:
@@ -157,6 +158,7 @@ class CoreView:
         now = self.clock()
         covered, announced = self.planner.coverage()
         waiting, running = waiting_and_running(self.steps.values(), self.workers.values())
+        waiting += len(self.pool.parked)  # calls that came while paused wait too (core/pool.py)
         return CoreStats(
             now=now, policy_version=self.version, weights_path=self.weights_path, limits=self.limits,
             paused=self.pauser.paused, workers=tuple(worker_view(w, now) for w in self.workers.values()),

@@ -248,3 +248,13 @@ def test_n_up_to_vllms_limit_and_requests_per_call_bounded():
     with pytest.raises(InvalidRequest, match="at most 8 per step or call"):
         build_step(step_id="c", policy_version=0, prompts=[Prompt(f"p{i}", token_ids=(5, 6)) for i in range(3)],
                    sampling=SamplingParams(n=3, max_tokens=4), limits=Limits(max_requests=8), model=LIMITS)
+
+
+def test_calls_parked_by_a_pause_count_as_waiting():
+    core, _ = make_core()
+    core.add_worker(hello("a", capacity=1))
+    core.submit_requests(call((5, 6), n=2))
+    core.pause("wait")
+    core.submit_requests(call((5, 7), n=3))
+    stats = core.stats()
+    assert (stats.requests_running, stats.requests_waiting) == (1, 1 + 3)
