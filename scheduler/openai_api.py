@@ -334,6 +334,8 @@ async def _serve(scheduler: SchedulerApp, request: Request, kind: type[_Completi
         body = await read_json(request, scheduler.settings.limits.max_request_bytes)
         call = kind(scheduler, body)
         call.single_version = _header_flag(request, SINGLE_VERSION_HEADER)
+        if (header_id := request.headers.get("x-request-id")) is not None:  # vLLM: the header wins over the body
+            call.id = f"{call.ID_PREFIX}-{header_id}"
         rename = call.rename
         if body.get("model") and body.get("model") != call.model:  # vLLM: no model = the served one
             return error(404, f"The model `{body.get('model')}` does not exist.", "model")

@@ -140,3 +140,15 @@ async def test_the_single_version_header_marks_the_calls_requests():
         worker.release.set()
         assert (await call).status_code == 200 and not scheduler.core.pool.single_version
         worker.task.cancel()
+
+
+async def test_the_answer_id_comes_from_x_request_id_as_in_vllm():
+    http, scheduler = make_app()
+    async with http:
+        worker = ScriptedWorker(scheduler.service, "a")
+        worker.release.set()
+        r = await http.post("/v1/completions", json=body(0, request_id="from-body"), headers={"X-Request-Id": "hdr-7"})
+        assert r.json()["id"] == "cmpl-hdr-7"
+        r = await http.post("/v1/completions", json=body(0, request_id="from-body"))
+        assert r.json()["id"] == "cmpl-from-body"
+        worker.task.cancel()
