@@ -114,6 +114,7 @@ class SchedulerService:
         self.control = ControlCalls(self._send)  # engine control calls fanned out to workers (control.py)
         self.transfer = WeightTransfer(core)  # vLLM's weight-transfer group (core/transfer.py)
         self.worker_messages = WorkerMessages()  # counted by the WorkerLink servicer
+        self._dispatch_due = False  # a dispatch of the pool's new requests is scheduled (``run_requests``)
 
     # --------------------------------------------------------------- actions --
 
@@ -255,7 +256,8 @@ class SchedulerService:
         or a request failed every attempt; a caller that stops listening aborts what is left."""
         if self.draining:
             raise InvalidRequest("request", "the scheduler is shutting down", ErrorCode.UNAVAILABLE)
-        keys, actions = self.core.submit_requests(spec, single_version)
+        keys, actions = self.core.submit_requests(spec, single_version, dispatch=False)
+        self._dispatch_soon()
         queue = Pending()
         index = {key: i for i, key in enumerate(keys)}
         for key in keys:
@@ -274,6 +276,18 @@ class SchedulerService:
                 self.callers.pop(key, None)
             if index:  # the caller went away (or one request failed): the rest is of no use
                 self.execute(self.core.cancel_requests(list(index)))
+
+    def _dispatch_soon(self) -> None:
+        """Dispatch the pool's new requests once the event loop comes round: the calls that
+        joined meanwhile (a burst of them, thousands at once) share one dispatch, whose cost
+        grows with the workers and the running requests, instead of one each."""
+        if not self._dispatch_due:
+            self._dispatch_due = True
+            asyncio.get_running_loop().call_soon(self._dispatch)
+
+    def _dispatch(self) -> None:
+        self._dispatch_due = False
+        self.execute(self.core.dispatch())
 
     async def _journaled(self, spec: StepSpec) -> dict:
         """Completions of this step that an earlier scheduler delivered (restart), if any."""

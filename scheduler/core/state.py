@@ -505,16 +505,24 @@ class SchedulerCore(CoreView):
                                  ErrorCode.FAILED_PRECONDITION)
         self.pool.check(spec)
 
-    def submit_requests(self, spec: StepSpec, single_version: bool = False) -> tuple[list[str], list[Action]]:
+    def submit_requests(self, spec: StepSpec, single_version: bool = False,
+                        dispatch: bool = True) -> tuple[list[str], list[Action]]:
         """An independent call's requests join the pool (``core/pool.py``): their keys, prompt
         by prompt and sample by sample, and the actions that dispatch them. ``spec``'s step id
         and policy version are not used: the requests run under the cluster's version of the
-        moment they start (``single_version``: never two versions in one completion)."""
+        moment they start (``single_version``: never two versions in one completion). With
+        ``dispatch`` off they only join the queue, and no actions come: ``dispatch()`` hands
+        them out later, once for many calls (a dispatch looks at every worker and every
+        running request; a call's own work is only its requests)."""
         self.check_requests(spec)
         keys = self.pool.submit(spec, single_version)
         if spec.use_drafts:
             self._drafts_wanted = True
-        return keys, self._fill_all()
+        return keys, self._fill_all() if dispatch else []
+
+    def dispatch(self) -> list[Action]:
+        """Hand out the queued work (after ``submit_requests(..., dispatch=False)``)."""
+        return self._fill_all()
 
     def cancel_requests(self, keys: list[str]) -> list[Action]:
         """The callers of these pool requests went away: abort what runs, unqueue the rest."""

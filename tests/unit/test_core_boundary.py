@@ -22,7 +22,7 @@ PUBLIC = frozenset({
     # events and commands
     "handle", "add_worker", "remove_worker", "heartbeat", "touch", "on_progress", "on_completion", "on_aborted",
     "on_draft_result", "on_policy_loaded", "check_step", "submit_step", "check_requests", "submit_requests",
-    "cancel_requests", "announce", "cancel_step", "update_policy",
+    "dispatch", "cancel_requests", "announce", "cancel_step", "update_policy",
     "tick", "pause", "resume", "restore_policy", "forget_history",
 })
 """What outside code may read of a ``SchedulerCore``."""

@@ -9,9 +9,11 @@ import asyncio
 import json
 from collections import Counter
 
+from bubblespec.client.types import Prompt, SamplingParams
 from bubblespec.scheduler.core.pool import POOL
+from bubblespec.scheduler.core.validate import Limits, build_step
 
-from tests.unit.test_control_routes import ScriptedWorker, assert_error, make_app
+from tests.unit.test_control_routes import LIMITS, ScriptedWorker, assert_error, make_app
 
 
 def body(i: int, **over) -> dict:
@@ -152,3 +154,28 @@ async def test_the_answer_id_comes_from_x_request_id_as_in_vllm():
         r = await http.post("/v1/completions", json=body(0, request_id="from-body"))
         assert r.json()["id"] == "cmpl-from-body"
         worker.task.cancel()
+
+
+async def test_calls_that_join_in_one_turn_of_the_loop_share_one_dispatch():
+    _, scheduler = make_app()
+    service, core = scheduler.service, scheduler.core
+    worker = ScriptedWorker(service, "a")
+    worker.release.set()
+    dispatches = []  # the requests queued at each dispatch
+    real = core.dispatch
+
+    def dispatch():
+        dispatches.append(len(core.pool.step.shared))
+        return real()
+
+    core.dispatch = dispatch
+
+    async def call(i: int) -> list[int]:
+        spec = build_step(step_id=f"c{i}", policy_version=0, prompts=[Prompt("p0", token_ids=(5, 6 + i))],
+                          sampling=SamplingParams(temperature=0.0, max_tokens=2), limits=Limits(), model=LIMITS)
+        return [index async for index, _ in service.run_requests(spec)]
+
+    answers = await asyncio.gather(*(call(i) for i in range(20)))  # 20 calls, each submitted in the same turn
+    assert answers == [[0]] * 20 and core.pool.pending == 0
+    assert dispatches == [20]  # one dispatch for all of them; the worker's completions refill it after
+    worker.task.cancel()
