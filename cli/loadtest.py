@@ -32,12 +32,16 @@ The memory verdict compares the median RSS of the last five steps with the media
 3-7: "flat" when it grew by at most max(4 MiB, 3 %), else "grows". Finished steps are kept by
 the scheduler for resume (``CoreSettings.keep_steps``, 32 in the service); the load test keeps
 ``--keep-steps`` (default 2) so that a 20-step run reaches its steady state.
+
+``--http`` runs the same harness (``started``) under HTTP clients calling ``/v1/completions``
+instead of the trainer's steps: ``cli/loadtest_http.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -57,7 +61,8 @@ from pathlib import Path
 from bubblespec.bench.machine import SpeedProbe, mean_of_cores, reference_ms
 from bubblespec.cli.loadtest_settings import LoadSettings
 
-__all__ = ["LoadSettings", "add_parser", "loadtest", "memory_verdict", "percentile", "run_loadtest"]
+__all__ = ["LoadSettings", "add_parser", "common_summary", "finite_json", "format_row", "loadtest", "machine_text",
+           "memory_text", "memory_verdict", "percentile", "run_loadtest", "started", "store_lines", "table_header"]
 
 MIB = 2**20
 
@@ -352,7 +357,8 @@ def _collector_class():
 
 
 class _Harness:
-    """Redis, the scheduler process, the simulated workers and the trainer client."""
+    """Redis, the scheduler process, the simulated workers, and what watches them: the machine
+    reference taken before anything started, the cores' speed probe, the scheduler's RSS sampler."""
 
     def __init__(self, settings: LoadSettings) -> None:
         self.settings = settings
@@ -362,6 +368,10 @@ class _Harness:
         self.workers = None  # loadtest_workers.WorkerProcesses
         self.memory_trace = ""
         self.latencies: dict[str, list[float]] = {"first": [], "refill": []}  # seconds, all steps
+        self.reference_ms = math.nan
+        self.speed = SpeedProbe()
+        self.sampler: _Sampler | None = None
+        self.version = 0  # the cluster's policy version once every worker connected
 
     async def start(self) -> None:
         from bubblespec.cli.loadtest_workers import WorkerProcesses
@@ -402,6 +412,30 @@ class _Harness:
             self.memory_trace = self.scheduler.memory_trace()
         if self.redis is not None:
             self.redis.stop()
+
+
+@contextlib.asynccontextmanager
+async def started(settings: LoadSettings):
+    """A ``_Harness`` for ``settings``: the machine reference taken first, then Redis, the
+    scheduler and the worker processes started, every worker connected, the cores' speed probe
+    and the RSS sampler running; all of it stopped on the way out (the step and HTTP modes)."""
+    from bubblespec.client import AsyncRolloutClient
+
+    h = _Harness(settings)
+    h.reference_ms = reference_ms()  # before anything of the test runs: the machine as the test finds it
+    try:
+        h.speed.start()
+        await h.start()
+        async with AsyncRolloutClient(h.scheduler.target) as client:
+            h.version = await h.wait_for_workers(client)
+        h.sampler = _Sampler(h.scheduler)
+        h.sampler.start()
+        yield h
+    finally:
+        h.speed.stop()
+        if h.sampler is not None:
+            await h.sampler.stop()
+        await h.stop()
 
 
 async def _run_step(h: _Harness, client, step: int, version: int, sampler: _Sampler, run_id: str,
@@ -474,37 +508,21 @@ async def run_loadtest(settings: LoadSettings, on_step=None) -> LoadResult:
     """Run the load test; ``on_step(record)`` is called as each step ends."""
     from bubblespec.client import AsyncRolloutClient
 
-    reference = reference_ms()  # before anything of the test runs: the machine as the test finds it
-    h = _Harness(settings)
     result = LoadResult(asdict(settings), "")
-    sampler: _Sampler | None = None
-    speed = SpeedProbe()
-    try:
-        speed.start()
-        await h.start()
+    async with started(settings) as h:
         result.redis = h.redis_url or "memory (no Redis)"
         async with AsyncRolloutClient(h.scheduler.target) as client:
-            version = await h.wait_for_workers(client)
-            sampler = _Sampler(h.scheduler)
-            sampler.start()
+            version = h.version
             run_id = f"lt{os.getpid():x}{random.getrandbits(16):04x}"
-            started = time.monotonic()
+            began = time.monotonic()
             for step in range(settings.steps):
                 if settings.update_policy:
                     version += 1
-                record = await _run_step(h, client, step, version, sampler, run_id, speed)
+                record = await _run_step(h, client, step, version, h.sampler, run_id, h.speed)
                 result.steps.append(record)
                 if on_step is not None:
                     on_step(record)
-            result.summary = await _summarize(h, result.steps, time.monotonic() - started)
-            result.summary["reference_ms"] = reference
-            probed = [r.core_probe_ms for r in result.steps if r.core_probe_ms is not None]
-            result.summary["core_probe_ms"] = statistics.median(probed) if probed else None
-    finally:
-        speed.stop()
-        if sampler is not None:
-            await sampler.stop()
-        await h.stop()
+            result.summary = await _summarize(h, result.steps, time.monotonic() - began)
     if h.memory_trace:
         result.summary["scheduler_memory_trace"] = h.memory_trace
     return result
@@ -513,8 +531,7 @@ async def run_loadtest(settings: LoadSettings, on_step=None) -> LoadResult:
 async def _summarize(h: _Harness, steps: list[StepRecord], total_seconds: float) -> dict:
     completions = sum(r.completions for r in steps)
     gen_seconds = sum(r.seconds for r in steps)
-    rss = [r.scheduler_rss_mib for r in steps]
-    out = {
+    return {
         "completions": completions, "duplicates": sum(r.duplicates for r in steps),
         "missing": sum(r.missing for r in steps), "generate_seconds": gen_seconds,
         "total_seconds": total_seconds, "completions_per_second": completions / gen_seconds,
@@ -523,11 +540,22 @@ async def _summarize(h: _Harness, steps: list[StepRecord], total_seconds: float)
         "dispatch_p50_ms_median_of_steps": statistics.median(r.dispatch_p50_ms for r in steps),
         "dispatch_p99_ms_median_of_steps": statistics.median(r.dispatch_p99_ms for r in steps),
         "dispatch_p99_ms_max_of_steps": max(r.dispatch_p99_ms for r in steps),
+        **await common_summary(h, steps),
+    }
+
+
+async def common_summary(h: _Harness, records: list) -> dict:
+    """What both modes report at the end, from their per-step or per-round ``records``: the
+    scheduler's memory (with the verdict) and counters, the machine's speed, the stores, Redis."""
+    rss = [r.scheduler_rss_mib for r in records]
+    probed = [r.core_probe_ms for r in records if r.core_probe_ms is not None]
+    out = {
         "scheduler_rss_mib_first": rss[0], "scheduler_rss_mib_last": rss[-1],
         "scheduler_peak_rss_mib": h.scheduler.peak_rss_mib(),
         "memory": memory_verdict(rss),
         "worker_store": h.workers.store_stats(),
         **await asyncio.to_thread(_scrape_counts, h.scheduler.http_port),
+        "reference_ms": h.reference_ms, "core_probe_ms": statistics.median(probed) if probed else None,
     }
     if h.redis_url:
         out["redis"] = await _redis_info(h.redis_url)
@@ -544,14 +572,14 @@ def _pooled_latencies(lat: dict[str, list[float]]) -> dict:
     return out
 
 
-def _finite(value):
+def finite_json(value):
     """``value`` with NaN floats replaced by None (strict JSON)."""
     if isinstance(value, float) and math.isnan(value):
         return None
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k: finite_json(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_finite(v) for v in value]
+        return [finite_json(v) for v in value]
     return value
 
 
@@ -595,29 +623,46 @@ _COLUMNS = (  # (field, title, width, format)
 )
 
 
-def table_header() -> str:
-    return "  ".join(f"{title:>{width}}" for _, title, width, _ in _COLUMNS)
+def table_header(columns=_COLUMNS) -> str:
+    return "  ".join(f"{title:>{width}}" for _, title, width, _ in columns)
+
+
+def format_row(r, columns, flags: list[str]) -> str:
+    """A record's row: its ``columns`` (``_COLUMNS``' shape), then each non-empty flag as ``!flag``."""
+    row = "  ".join(f"{getattr(r, name):>{width}{fmt}}" for name, _, width, fmt in columns)
+    return row + "".join(f"  !{f}" for f in flags if f)
 
 
 def table_row(r: StepRecord) -> str:
-    row = "  ".join(f"{getattr(r, name):>{width}{fmt}}" for name, _, width, fmt in _COLUMNS)
-    flags = [f"{r.duplicates} dup" if r.duplicates else "", f"{r.missing} missing" if r.missing else "",
-             f"{r.requests_moved} moved" if r.requests_moved else "",
-             f"{r.requests_requeued} requeued" if r.requests_requeued else ""]
-    return row + "".join(f"  !{f}" for f in flags if f)
+    return format_row(r, _COLUMNS, [f"{r.duplicates} dup" if r.duplicates else "",
+                                    f"{r.missing} missing" if r.missing else "",
+                                    f"{r.requests_moved} moved" if r.requests_moved else "",
+                                    f"{r.requests_requeued} requeued" if r.requests_requeued else ""])
 
 
 def _ms(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f} ms"
 
 
-def summary_text(result: LoadResult) -> str:
-    s, m = result.summary, result.summary["memory"]
+def machine_text(s: dict, during: str) -> str:
+    return (f"machine reference {s['reference_ms']:.0f} ms, cores' probe {_ms(s.get('core_probe_ms'))} "
+            f"during the {during} (bench/machine.py: lower is faster)")
+
+
+def memory_text(s: dict, unit: str) -> str:
+    """The summary's scheduler memory line; ``unit``: step or round."""
+    m = s["memory"]
     verdict = m["verdict"]
     if "allowed_mib" in m:
-        verdict += (f" (last-5 median {m['growth_mib']:+.1f} MiB vs steps 3-7, allowed {m['allowed_mib']:.1f}; "
-                    f"slope {m['slope_mib_per_step']:+.2f} MiB/step)")
-    ws = s["worker_store"]
+        verdict += (f" (last-5 median {m['growth_mib']:+.1f} MiB vs {unit}s 3-7, allowed {m['allowed_mib']:.1f}; "
+                    f"slope {m['slope_mib_per_step']:+.2f} MiB/{unit})")
+    return (f"scheduler memory: RSS {s['scheduler_rss_mib_first']:.1f} MiB after {unit} 1, "
+            f"{s['scheduler_rss_mib_last']:.1f} MiB after the last, peak {s['scheduler_peak_rss_mib']:.1f} MiB; "
+            f"verdict: {verdict}")
+
+
+def summary_text(result: LoadResult) -> str:
+    s = result.summary
 
     def per(direction: str) -> str:
         return f"{s['worker_messages_' + direction] / s['completions']:.2f}" if s["completions"] else "n/a"
@@ -627,9 +672,7 @@ def summary_text(result: LoadResult) -> str:
          f"unexpected (scheduler's bubblespec_completions_total: {s['metrics_completions_total']:.0f})"),
         (f"throughput: {s['completions_per_second']:.1f} completions/s through the scheduler "
          f"({s['generate_seconds']:.1f} s of Generate, {s['total_seconds']:.1f} s with policy updates); "
-         f"scheduler CPU {s['scheduler_cpu_ms_per_completion']:.2f} ms per completion; machine reference "
-         f"{s['reference_ms']:.0f} ms, cores' probe {_ms(s.get('core_probe_ms'))} during the steps "
-         f"(bench/machine.py: lower is faster)"),
+         f"scheduler CPU {s['scheduler_cpu_ms_per_completion']:.2f} ms per completion; {machine_text(s, 'steps')}"),
         (f"worker streams: {s['worker_messages_received']:.0f} messages received, "
          f"{s['worker_messages_sent']:.0f} sent over the run, {per('received')} and {per('sent')} per completion "
          f"(a batch counts once; bubblespec_worker_stream_messages_total)"),
@@ -637,17 +680,22 @@ def summary_text(result: LoadResult) -> str:
          f"p99 {s['dispatch_p99_ms']:.2f} ms (first wave, {s['first_wave_n']}: p50 {s['first_wave_p50_ms']:.2f} / "
          f"p99 {s['first_wave_p99_ms']:.2f} ms; refills, {s['refill_n']}: p50 {s['refill_p50_ms']:.2f} / "
          f"p99 {s['refill_p99_ms']:.2f} ms); worst step p99 {s['dispatch_p99_ms_max_of_steps']:.2f} ms"),
-        (f"scheduler memory: RSS {s['scheduler_rss_mib_first']:.1f} MiB after step 1, "
-         f"{s['scheduler_rss_mib_last']:.1f} MiB after the last, peak {s['scheduler_peak_rss_mib']:.1f} MiB; "
-         f"verdict: {verdict}"),
-        (f"worker draft stores ({result.settings['worker_store']}): {ws['ops']} ops, {ws['errors']} errors, "
-         f"mean {ws['mean_op_ms']:.2f} ms"),
+        memory_text(s, "step"),
     ]
+    return "\n".join(lines + store_lines(result))
+
+
+def store_lines(result: LoadResult) -> list[str]:
+    """The summary's last lines: the workers' draft stores, Redis, the memory trace if taken."""
+    s = result.summary
+    ws = s["worker_store"]
+    lines = [f"worker draft stores ({result.settings['worker_store']}): {ws['ops']} ops, {ws['errors']} errors, "
+             f"mean {ws['mean_op_ms']:.2f} ms"]
     if "redis" in s:
         lines.append(f"redis at the end: {s['redis']['keys']} keys, {s['redis']['used_memory_mib']:.1f} MiB")
     if "scheduler_memory_trace" in s:
         lines.append("scheduler allocation sites at the end (tracemalloc):\n" + s["scheduler_memory_trace"])
-    return "\n".join(lines)
+    return lines
 
 
 # ------------------------------------------------------------------------------------ CLI --
@@ -675,6 +723,14 @@ def add_parser(sub, add) -> None:
                        ("trace-memory", "tracemalloc in the scheduler; print its top allocation sites (slow)")):
         add(p, name, getattr(d, name.replace("-", "_")), help)
     add(p, "worker-processes", d.worker_processes, "processes hosting the workers (0 = one per CPU core)")
+    for name, help in (("http", "HTTP mode: --connections clients call /v1/completions for --rounds rounds instead "
+                                "of steps through the SDK (docs/LOAD.md; unless given: --capacity connections x "
+                                "choices / workers, and a fast engine, --step-seconds 0.002 --batch-slope-seconds 0 "
+                                "--median-tokens 8 --max-tokens 32 --worker-store memory)"),
+                       ("connections", "HTTP mode: concurrent connections, one call each per round"),
+                       ("rounds", "HTTP mode: rounds"), ("choices", "HTTP mode: choices per call (n)"),
+                       ("client-processes", "HTTP mode: processes running the HTTP clients")):
+        add(p, name, getattr(d, name.replace("-", "_")), help)
     add(p, "json", "", "also write the results as JSON to this path")
 
 
@@ -682,13 +738,17 @@ def loadtest(a: argparse.Namespace) -> int:
     """``bubblespec loadtest``: run, print the table and the summary; exit 1 on lost or duplicate completions."""
     names = LoadSettings.__dataclass_fields__
     settings = LoadSettings(**{k: v for k, v in vars(a).items() if k in names})
+    if settings.http:
+        from bubblespec.cli.loadtest_http import http_loadtest, http_settings
+
+        return http_loadtest(http_settings(settings, sys.argv[1:], os.environ), a.json)
     print(f"load test: {settings.workers} simulated-engine workers x capacity {settings.capacity}, "
           f"{settings.steps} steps x {settings.prompts} prompts x {settings.samples} samples", flush=True)
     print(table_header(), flush=True)
     result = asyncio.run(run_loadtest(settings, on_step=lambda r: print(table_row(r), flush=True)))
     print(summary_text(result), flush=True)
     if a.json:
-        Path(a.json).write_text(json.dumps(_finite(asdict(result)), indent=2))
+        Path(a.json).write_text(json.dumps(finite_json(asdict(result)), indent=2))
     return 1 if result.summary["duplicates"] or result.summary["missing"] else 0
 
 

@@ -58,3 +58,14 @@ class LoadSettings:
     trace_memory: bool = False
     """Run tracemalloc in the scheduler and report its largest allocation sites at the end
     (diagnosis only: it slows the scheduler down)."""
+    http: bool = False
+    """Drive the scheduler's ``/v1/completions`` over HTTP (``cli/loadtest_http.py``) instead of
+    running steps through the SDK: ``connections`` clients, ``rounds`` calls each."""
+    connections: int = 4096
+    """HTTP mode: concurrent connections, each one rollout sending one call per round."""
+    rounds: int = 20
+    """HTTP mode: rounds; in a round every connection sends one call and gets its answer."""
+    choices: int = 1
+    """HTTP mode: choices per call (its ``n``)."""
+    client_processes: int = 1
+    """HTTP mode: processes running the HTTP clients, each a share of the connections."""

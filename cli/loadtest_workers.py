@@ -15,7 +15,13 @@ talks to them over their stdin/stdout, one JSON line per command and per answer:
 
 Both ends of a dispatch latency are read with ``time.monotonic()`` (CLOCK_MONOTONIC, one clock
 for every process of the machine): the step's start in the trainer process, the slot freed and
-the assignment received in the worker process.
+the assignment received in the worker process. In the HTTP mode (``cli/loadtest_http.py``) each
+engine also records when it took each request and when it finished it, on the same clock
+(``TimedEngine``; ``collect`` answers them as ``spans``), so that the load test can take the
+engine's time out of an HTTP call's latency.
+
+``ChildProcesses`` is the JSON-lines channel to such processes; the HTTP mode's client processes
+use it too.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from collections import deque
 from dataclasses import asdict, replace
 from pathlib import Path
 
-__all__ = ["DispatchProbe", "WorkerProcesses"]
+__all__ = ["ChildProcesses", "DispatchProbe", "WorkerProcesses", "prompt_key"]
 
 
 class DispatchProbe:
@@ -71,6 +77,35 @@ class DispatchProbe:
     def first(self, started: float) -> list[float]:
         """First-wave latencies of a step whose ``Generate`` was sent at ``started``."""
         return [t - started for t in self.first_at]
+
+
+def prompt_key(token_ids) -> int:
+    """The key that pairs an HTTP call with its requests on the engines: the hash of its prompt's
+    token ids (a tuple of ints hashes alike in every process: no hash randomisation for ints)."""
+    return hash(tuple(token_ids))
+
+
+def _timed_engine_class():
+    from bubblespec.bench.load_engine import LoadTestEngine
+
+    class TimedEngine(LoadTestEngine):
+        """A LoadTestEngine that records, for each request it finished, its prompt's key, when
+        it took the request and when its final output was ready (``time.monotonic()``), and
+        the key of the tokens it made (to check that the right call got them)."""
+
+        def __init__(self, settings, spans: list):
+            super().__init__(settings)
+            self.spans = spans
+
+        async def generate(self, request):
+            took = time.monotonic()
+            async for out in super().generate(request):
+                if out.finish_reason is not None:
+                    self.spans.append((prompt_key(request.prompt_token_ids), took, time.monotonic(),
+                                       hash(tuple(out.token_ids))))
+                yield out
+
+    return TimedEngine
 
 
 def _timed_agent_class():
@@ -118,6 +153,7 @@ class _Workers:
         self.stores: list = []
         self.tasks: list[asyncio.Task] = []
         self.lags: list[float] = []
+        self.spans: list[tuple[int, float, float, int]] = []  # the HTTP mode's TimedEngine records
 
     async def start(self) -> None:
         from bubblespec.store import StoreSettings, open_store
@@ -130,8 +166,10 @@ class _Workers:
         sim = LoadEngineSettings(step_seconds=s.step_seconds, batch_slope_seconds=s.batch_slope_seconds,
                                 max_model_len=max_len, max_num_seqs=s.capacity, median_tokens=s.median_tokens)
         agent_cls = _timed_agent_class()
+        timed = _timed_engine_class() if s.http else None
         for i in range(c["first"], c["first"] + c["count"]):
-            engine = LoadTestEngine(replace(sim, seed=s.seed * 1000 + i))
+            sim_i = replace(sim, seed=s.seed * 1000 + i)
+            engine = LoadTestEngine(sim_i) if timed is None else timed(sim_i, self.spans)
             await engine.start()
             ws = WorkerSettings(scheduler=c["target"], worker_id=f"sim-{i}", completion_batch_seconds=s.completion_batch_seconds,
                                 engine=EngineSettings(model="simulated", max_model_len=max_len, max_num_seqs=s.capacity))
@@ -154,11 +192,12 @@ class _Workers:
         if cmd["cmd"] == "step":
             self.probe.step_started({a.worker_id: self.settings.capacity for a in self.agents})
             self.lags = []
+            self.spans.clear()
             return {"ok": True}
         p = self.probe
         stats = [getattr(store, "inner", store).stats for store in self.stores]
         return {"first": p.first(cmd["started"]), "refill": p.refill, "unmatched": p.unmatched,
-                "sent": p.completions_sent, "lags": self.lags, "cpu": time.process_time(),
+                "sent": p.completions_sent, "lags": self.lags, "cpu": time.process_time(), "spans": self.spans,
                 "store": {"ops": sum(st.ops for st in stats), "errors": sum(st.errors for st in stats),
                           "op_seconds": sum(st.op_seconds_sum for st in stats)}}
 
@@ -194,58 +233,38 @@ async def _serve(config: dict) -> None:
 # ------------------------------------------------------------------------ the parent --
 
 
-class WorkerProcesses:
-    """The load test's worker processes, as the trainer process sees them."""
+class ChildProcesses:
+    """Processes of the load test that answer one JSON line per command on stdout
+    (``python -m <module> '<config>'``, one config each; the first line is their ready answer)."""
 
-    def __init__(self, settings, target: str, store_url: str) -> None:
-        n = settings.worker_processes or min(settings.workers, os.cpu_count() or 1)
-        n = max(1, min(n, settings.workers))
-        self.configs = [{"settings": asdict(settings), "target": target, "store_url": store_url,
-                         "first": k * settings.workers // n, "count": (k + 1) * settings.workers // n - k * settings.workers // n}
-                        for k in range(n)]
+    def __init__(self, module: str, configs: list[dict], name: str) -> None:
+        self.module, self.configs, self.name = module, configs, name
         self.procs: list[asyncio.subprocess.Process] = []
         self._logs = [tempfile.NamedTemporaryFile(  # noqa: SIM115 - the child writes it; removed in stop()
-            prefix=f"bubblespec-loadtest-workers{k}-", suffix=".log", delete=False) for k in range(n)]
+            prefix=f"bubblespec-loadtest-{name}s{k}-", suffix=".log", delete=False) for k in range(len(configs))]
         self.last: list[dict] = []
 
     async def start(self, timeout: float = 120.0) -> None:
         for config, log in zip(self.configs, self._logs, strict=True):
             self.procs.append(await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "bubblespec.cli.loadtest_workers", json.dumps(config),
+                sys.executable, "-m", self.module, json.dumps(config),
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, limit=2**28))  # a step's latencies: MBs
         try:
             await asyncio.wait_for(asyncio.gather(*(self._read(p) for p in self.procs)), timeout)
         except (TimeoutError, RuntimeError) as exc:
-            raise RuntimeError(f"the worker processes did not start ({exc}):\n{self.log_tail()}") from None
+            raise RuntimeError(f"the {self.name} processes did not start ({exc}):\n{self.log_tail()}") from None
 
     async def _read(self, proc: asyncio.subprocess.Process) -> dict:
         line = await proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"worker process {proc.pid} exited with {await proc.wait()}")
+            raise RuntimeError(f"{self.name} process {proc.pid} exited with {await proc.wait()}")
         return json.loads(line)
 
     async def call(self, cmd: dict, timeout: float = 60.0) -> list[dict]:
-        """Send ``cmd`` to every worker process; their answers."""
+        """Send ``cmd`` to every process; their answers."""
         for proc in self.procs:
             proc.stdin.write(json.dumps(cmd).encode() + b"\n")
         return list(await asyncio.wait_for(asyncio.gather(*(self._read(p) for p in self.procs)), timeout))
-
-    async def step_started(self) -> None:
-        await self.call({"cmd": "step"})
-
-    async def collect(self, started: float) -> dict:
-        """The step's numbers, merged over the worker processes."""
-        self.last = answers = await self.call({"cmd": "collect", "started": started})
-        lags = [lag for a in answers for lag in a["lags"]]
-        return {"first": [x for a in answers for x in a["first"]], "refill": [x for a in answers for x in a["refill"]],
-                "unmatched": sum(a["unmatched"] for a in answers), "sent": sum(a["sent"] for a in answers),
-                "cpu": sum(a["cpu"] for a in answers), "lags": lags}
-
-    def store_stats(self) -> dict:
-        ops = sum(a["store"]["ops"] for a in self.last)
-        seconds = sum(a["store"]["op_seconds"] for a in self.last)
-        return {"ops": ops, "errors": sum(a["store"]["errors"] for a in self.last),
-                "mean_op_ms": 1000 * seconds / max(1, ops)}
 
     async def stop(self) -> None:
         live = [p for p in self.procs if p.returncode is None]
@@ -273,6 +292,35 @@ class WorkerProcesses:
             text = Path(log.name).read_text(errors="replace").splitlines()
             tails.append(f"{log.name}:\n" + "\n".join(text[-lines:]))
         return "\n".join(tails)
+
+
+class WorkerProcesses(ChildProcesses):
+    """The load test's worker processes, as the trainer process sees them."""
+
+    def __init__(self, settings, target: str, store_url: str) -> None:
+        n = settings.worker_processes or min(settings.workers, os.cpu_count() or 1)
+        n = max(1, min(n, settings.workers))
+        configs = [{"settings": asdict(settings), "target": target, "store_url": store_url,
+                    "first": k * settings.workers // n, "count": (k + 1) * settings.workers // n - k * settings.workers // n}
+                   for k in range(n)]
+        super().__init__("bubblespec.cli.loadtest_workers", configs, "worker")
+
+    async def step_started(self) -> None:
+        await self.call({"cmd": "step"})
+
+    async def collect(self, started: float) -> dict:
+        """The step's numbers, merged over the worker processes."""
+        self.last = answers = await self.call({"cmd": "collect", "started": started})
+        lags = [lag for a in answers for lag in a["lags"]]
+        return {"first": [x for a in answers for x in a["first"]], "refill": [x for a in answers for x in a["refill"]],
+                "unmatched": sum(a["unmatched"] for a in answers), "sent": sum(a["sent"] for a in answers),
+                "cpu": sum(a["cpu"] for a in answers), "lags": lags, "spans": [x for a in answers for x in a["spans"]]}
+
+    def store_stats(self) -> dict:
+        ops = sum(a["store"]["ops"] for a in self.last)
+        seconds = sum(a["store"]["op_seconds"] for a in self.last)
+        return {"ops": ops, "errors": sum(a["store"]["errors"] for a in self.last),
+                "mean_op_ms": 1000 * seconds / max(1, ops)}
 
 
 if __name__ == "__main__":
