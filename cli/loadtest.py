@@ -734,14 +734,15 @@ def add_parser(sub, add) -> None:
     add(p, "json", "", "also write the results as JSON to this path")
 
 
+def settings_of(a: argparse.Namespace) -> LoadSettings:
+    """The ``LoadSettings`` the command line gave."""
+    names = LoadSettings.__dataclass_fields__
+    return LoadSettings(**{k: v for k, v in vars(a).items() if k in names})
+
+
 def loadtest(a: argparse.Namespace) -> int:
     """``bubblespec loadtest``: run, print the table and the summary; exit 1 on lost or duplicate completions."""
-    names = LoadSettings.__dataclass_fields__
-    settings = LoadSettings(**{k: v for k, v in vars(a).items() if k in names})
-    if settings.http:
-        from bubblespec.cli.loadtest_http import http_loadtest, http_settings
-
-        return http_loadtest(http_settings(settings, sys.argv[1:], os.environ), a.json)
+    settings = settings_of(a)
     print(f"load test: {settings.workers} simulated-engine workers x capacity {settings.capacity}, "
           f"{settings.steps} steps x {settings.prompts} prompts x {settings.samples} samples", flush=True)
     print(table_header(), flush=True)

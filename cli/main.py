@@ -252,6 +252,11 @@ def main(argv: list[str] | None = None) -> int:
 
         calibrate(args)
         return 0
+    if args.command == "loadtest" and args.http:  # cli/loadtest_http.py builds on cli/loadtest.py, not back
+        from bubblespec.cli.loadtest import settings_of
+        from bubblespec.cli.loadtest_http import http_loadtest, http_settings
+
+        return http_loadtest(http_settings(settings_of(args), argv, os.environ), args.json)
     if args.command == "loadtest":
         from bubblespec.cli.loadtest import loadtest
 
