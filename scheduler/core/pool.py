@@ -195,7 +195,8 @@ class RequestPool:
             for w in self.core.workers.values():
                 if w.private and any(k in gone for k in w.private):
                     w.private = deque(k for k in w.private if k not in gone)
-        return actions + self._close_if_empty()
+        self._close_if_empty()
+        return actions
 
     # ----------------------------------------------------------------- results --
 
@@ -203,7 +204,8 @@ class RequestPool:
         """``req`` finished: its completion with the versions of its spans, and it leaves."""
         completion = continued(req.resume, completion)
         self._drop(step, req)
-        return completion, [Deliver(POOL, completion), *self._close_if_empty()]
+        self._close_if_empty()
+        return completion, [Deliver(POOL, completion)]
 
     def failed(self, step: StepState, req: RequestState) -> list[Action]:
         """``req`` failed every attempt (``CoreSettings.max_attempts``): its caller gets the error."""
@@ -212,7 +214,8 @@ class RequestPool:
         message = (f"request {spec.key!r} failed {len(req.failures)} attempts (workers: {workers:.200}). "
                    f"Last error: {req.failures[-1][1]:.200}")
         self._drop(step, req)
-        return [RequestFailed(spec.key, "request", message), *self._close_if_empty()]
+        self._close_if_empty()
+        return [RequestFailed(spec.key, "request", message)]
 
     def lost(self, step: StepState, req: RequestState, worker_id: str, reason: str) -> list[Action] | None:
         """``req``'s worker failed it while it was being stopped: an aborted one is answered
@@ -389,12 +392,12 @@ class RequestPool:
                 del self._groups[req.spec.prompt_token_ids]
                 self._where.pop(group.gid, None)
 
-    def _close_if_empty(self) -> list[Action]:
+    def _close_if_empty(self) -> None:
+        """Forget the pool's step once it holds no request (it exists only while it does)."""
         step = self.step
         if step is not None and not step.requests:
             self.core.close_step(POOL)
             self.parked = []
-        return []
 
 
 def continued(before: Completion | None, after: Completion) -> Completion:
