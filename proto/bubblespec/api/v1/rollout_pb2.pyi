@@ -29,6 +29,9 @@ class ControlOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CONTROL_OP_UPDATE_WEIGHTS: _ClassVar[ControlOp]
     CONTROL_OP_FINISH_WEIGHT_UPDATE: _ClassVar[ControlOp]
     CONTROL_OP_RESET_PREFIX_CACHE: _ClassVar[ControlOp]
+    CONTROL_OP_SLEEP: _ClassVar[ControlOp]
+    CONTROL_OP_WAKE_UP: _ClassVar[ControlOp]
+    CONTROL_OP_ABORT_WEIGHT_UPDATE: _ClassVar[ControlOp]
 SCHEDULING_POLICY_UNSPECIFIED: SchedulingPolicy
 SCHEDULING_POLICY_STATIC: SchedulingPolicy
 SCHEDULING_POLICY_QUEUE: SchedulingPolicy
@@ -43,6 +46,9 @@ CONTROL_OP_START_WEIGHT_UPDATE: ControlOp
 CONTROL_OP_UPDATE_WEIGHTS: ControlOp
 CONTROL_OP_FINISH_WEIGHT_UPDATE: ControlOp
 CONTROL_OP_RESET_PREFIX_CACHE: ControlOp
+CONTROL_OP_SLEEP: ControlOp
+CONTROL_OP_WAKE_UP: ControlOp
+CONTROL_OP_ABORT_WEIGHT_UPDATE: ControlOp
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -63,7 +69,7 @@ class Prompt(_message.Message):
     def __init__(self, prompt_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids", "seed", "n", "ignore_eos", "logprobs_mode", "min_tokens", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "logprobs")
+    __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids", "seed", "n", "ignore_eos", "logprobs_mode", "min_tokens", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "logprobs", "prompt_logprobs", "cache_salt")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +85,8 @@ class SamplingParams(_message.Message):
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPACES_BETWEEN_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -94,7 +102,9 @@ class SamplingParams(_message.Message):
     skip_special_tokens: bool
     spaces_between_special_tokens: bool
     logprobs: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., n: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., logprobs_mode: _Optional[str] = ..., min_tokens: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., logprobs: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: int
+    cache_salt: str
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., n: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., logprobs_mode: _Optional[str] = ..., min_tokens: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class SourceStats(_message.Message):
     __slots__ = ("source", "drafted_tokens", "accepted_tokens")
@@ -122,8 +132,26 @@ class TopLogprobs(_message.Message):
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
+class PromptLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "rank", "token", "top_token_ids", "top_logprobs", "top_tokens")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    rank: int
+    token: str
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_tokens: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., rank: _Optional[int] = ..., token: _Optional[str] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., top_tokens: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class Completion(_message.Message):
-    __slots__ = ("step_id", "prompt_id", "sample_index", "token_ids", "logprobs", "text", "finish_reason", "policy_version", "worker_id", "provenance", "prompt_tokens", "stop_string", "stop_token_id", "top_logprobs", "version_spans")
+    __slots__ = ("step_id", "prompt_id", "sample_index", "token_ids", "logprobs", "text", "finish_reason", "policy_version", "worker_id", "provenance", "prompt_tokens", "stop_string", "stop_token_id", "top_logprobs", "version_spans", "prompt_logprobs")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +167,7 @@ class Completion(_message.Message):
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     VERSION_SPANS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step_id: str
     prompt_id: str
     sample_index: int
@@ -154,7 +183,8 @@ class Completion(_message.Message):
     stop_token_id: int
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
     version_spans: _containers.RepeatedCompositeFieldContainer[VersionSpan]
-    def __init__(self, step_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., provenance: _Optional[_Union[Provenance, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprob]
+    def __init__(self, step_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., provenance: _Optional[_Union[Provenance, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprob, _Mapping]]] = ...) -> None: ...
 
 class VersionSpan(_message.Message):
     __slots__ = ("start", "policy_version")
