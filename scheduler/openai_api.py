@@ -215,10 +215,13 @@ class _Completions:
     single_version = False
     """Run again from scratch rather than go on under a new policy version after a keep pause
     (header ``X-BubbleSpec-Single-Version``; ``core/pool.py``)."""
+    session_id = ""
+    """The conversation this call continues (header ``X-Session-ID``): its turns go to the
+    worker that holds its prefix while that worker has room (``core/affinity.py``)."""
 
     async def completions(self, spec):
         """(index, choice, completion) per finished choice, in the order they finish."""
-        async for index, c in self.scheduler.service.run_requests(spec, self.single_version):
+        async for index, c in self.scheduler.service.run_requests(spec, self.single_version, self.session_id):
             yield index, self.choice(c, index, spec), c
 
     def envelope(self, choices: list, usage: dict | None) -> dict:
@@ -334,6 +337,7 @@ async def _serve(scheduler: SchedulerApp, request: Request, kind: type[_Completi
         body = await read_json(request, scheduler.settings.limits.max_request_bytes)
         call = kind(scheduler, body)
         call.single_version = _header_flag(request, SINGLE_VERSION_HEADER)
+        call.session_id = _session_id(request)
         if (header_id := request.headers.get("x-request-id")) is not None:  # vLLM: the header wins over the body
             call.id = f"{call.ID_PREFIX}-{header_id}"
         rename = call.rename
@@ -350,6 +354,15 @@ async def _serve(scheduler: SchedulerApp, request: Request, kind: type[_Completi
 
 
 SINGLE_VERSION_HEADER = "X-BubbleSpec-Single-Version"
+SESSION_HEADER = "X-Session-ID"
+MAX_SESSION_ID_CHARS = 256
+
+
+def _session_id(request: Request) -> str:
+    raw = request.headers.get(SESSION_HEADER, "")
+    if len(raw) > MAX_SESSION_ID_CHARS:
+        raise InvalidRequest(SESSION_HEADER, f"is {len(raw)} characters, at most {MAX_SESSION_ID_CHARS}")
+    return raw
 
 
 def _header_flag(request: Request, name: str) -> bool:

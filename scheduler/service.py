@@ -249,14 +249,16 @@ class SchedulerService:
                 if step is not None and step.active:  # the trainer went away mid-step
                     asyncio.get_running_loop().call_later(self.orphan_grace_seconds, self._cancel_orphan, spec.step_id)
 
-    async def run_requests(self, spec: StepSpec, single_version: bool = False) -> AsyncIterator[tuple[int, Completion]]:
+    async def run_requests(self, spec: StepSpec, single_version: bool = False,
+                           session_id: str = "") -> AsyncIterator[tuple[int, Completion]]:
         """An independent call (``core/pool.py``): its requests join the cluster's work, and
         each completion comes as it finishes, with its index in the call (prompt by prompt,
         sample by sample). Raises ``InvalidRequest`` when the call is refused (nothing joined)
-        or a request failed every attempt; a caller that stops listening aborts what is left."""
+        or a request failed every attempt; a caller that stops listening aborts what is left.
+        ``session_id``: the conversation the call continues, if named (``core/affinity.py``)."""
         if self.draining:
             raise InvalidRequest("request", "the scheduler is shutting down", ErrorCode.UNAVAILABLE)
-        keys, actions = self.core.submit_requests(spec, single_version, dispatch=False)
+        keys, actions = self.core.submit_requests(spec, single_version, dispatch=False, session_id=session_id)
         self._dispatch_soon()
         queue = Pending()
         index = {key: i for i, key in enumerate(keys)}

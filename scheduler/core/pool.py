@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from bubblespec.client.types import Completion, FinishReason, SamplingParams, SchedulingPolicy
+from bubblespec.scheduler.core.affinity import Affinity
 from bubblespec.scheduler.core.checks import check_completion
 from bubblespec.scheduler.core.types import (
     Abort,
@@ -51,7 +52,7 @@ from bubblespec.scheduler.core.types import (
 )
 
 if TYPE_CHECKING:
-    from bubblespec.scheduler.core.records import CoreParts, RequestState, StepState
+    from bubblespec.scheduler.core.records import CoreParts, RequestState, StepState, WorkerState
 
 __all__ = ["POOL", "RETRY_AFTER_SECONDS", "RequestPool", "checked_partial", "continued", "sample_sampling",
            "version_spans"]
@@ -60,6 +61,9 @@ POOL = "requests"
 """Step id of the pool; its request keys are ``requests/<group>/<sample>``."""
 RETRY_AFTER_SECONDS = 1.0
 """The retry hint of a call refused because the pool is full."""
+AFFINITY_WINDOW = 64
+"""How far into the queue a worker with a free slot looks for a request that prefers it
+(``RequestPool.take_preferred``): a preferred request jumps at most this many others."""
 
 
 def sample_sampling(base: SamplingParams, i: int, max_tokens: int) -> SamplingParams:
@@ -105,6 +109,8 @@ class RequestPool:
         """Samples per call of the latest call (dispatch hands out a group at a time)."""
         self._where: dict[str, str] = {}
         """Group id -> the worker its latest request went to (``place_with_siblings``)."""
+        self.affinity: Affinity | None = Affinity() if core.settings.session_affinity else None
+        """Which worker holds each conversation's prefix (``core/affinity.py``); None: off."""
 
     # ------------------------------------------------------------------ queries --
 
@@ -133,9 +139,10 @@ class RequestPool:
 
     # ------------------------------------------------------------------- calls --
 
-    def submit(self, spec: StepSpec, single_version: bool = False) -> list[str]:
+    def submit(self, spec: StepSpec, single_version: bool = False, session_id: str = "") -> list[str]:
         """Add a call's requests (``spec``: validated by ``build_step``; its step id is not
-        used) and return their keys, prompt by prompt, sample by sample. Checked first."""
+        used) and return their keys, prompt by prompt, sample by sample. Checked first.
+        ``session_id``: the conversation the call continues (``core/affinity.py``), if named."""
         self.check(spec)
         core = self.core
         step = self.step
@@ -148,6 +155,7 @@ class RequestPool:
             group = self._groups.get(p.token_ids)
             if group is None:
                 group = self._groups[p.token_ids] = _Group(f"g{next(self._ids)}")
+            first = len(keys)
             for i in range(n):
                 index = group.next_sample
                 group.next_sample += 1
@@ -158,6 +166,8 @@ class RequestPool:
                     version, spec.use_drafts, n))
                 keys.append(key)
             self.pending_tokens += len(p.token_ids) * n
+            if self.affinity is not None:
+                self.affinity.submitted(keys[first:], p.token_ids, session_id)
         self.pending += len(keys)
         if single_version:
             self.single_version.update(keys)
@@ -203,6 +213,8 @@ class RequestPool:
     def delivered(self, step: StepState, req: RequestState, completion: Completion) -> tuple[Completion, list[Action]]:
         """``req`` finished: its completion with the versions of its spans, and it leaves."""
         completion = continued(req.resume, completion)
+        if self.affinity is not None:
+            self.affinity.finished(req.spec.key, req.spec.prompt_token_ids, completion.token_ids, completion.worker_id)
         self._drop(step, req)
         self._close_if_empty()
         return completion, [Deliver(POOL, completion)]
@@ -262,6 +274,27 @@ class RequestPool:
     def placed(self, req: RequestState, worker_id: str) -> None:
         """``req`` started on ``worker_id``: its group's later requests prefer that worker."""
         self._where[req.spec.prompt_id] = worker_id
+        if self.affinity is not None:
+            self.affinity.placed(req.spec.key)
+
+    def take_preferred(self, w: WorkerState) -> str | None:
+        """A queued request that prefers ``w`` (its conversation's prefix is there), taken out
+        of the queue's first ``AFFINITY_WINDOW``; None if there is none. The caller checked
+        that ``w`` may take the pool's work (its version, not paused)."""
+        step = self.step
+        if self.affinity is None or not self.affinity.wanted or step is None:
+            return None
+        wid, wanted = w.hello.worker_id, self.affinity.wanted
+        for i, key in enumerate(itertools.islice(step.shared, AFFINITY_WINDOW)):
+            if wanted.get(key) != wid:
+                continue
+            req = step.requests.get(key)
+            if req is None or req.worker is not None or req.resume is not None or req.failures \
+                    or req.spec.sampling.logprobs_mode not in ("", w.hello.logprobs_mode):
+                continue  # the usual path (``_takeable``) decides for these
+            del step.shared[i]
+            return key
+        return None
 
     def place_with_siblings(self) -> list[Action]:
         """Queued requests whose group runs on a worker with room go there, ahead of the usual
@@ -269,7 +302,8 @@ class RequestPool:
         step's sample groups do, whether they came in one call or in many (one per rollout).
         Looks at the head of the queue only, as far as the free slots reach."""
         step, core = self.step, self.core
-        if step is None or not step.shared or not self._where or core.pauser.holds(POOL):
+        wanted = self.affinity.wanted if self.affinity is not None else {}
+        if step is None or not step.shared or not (self._where or wanted) or core.pauser.holds(POOL):
             return []
         version = step.spec.policy_version
         room = {w.hello.worker_id: w.capacity - len(w.running) for w in core.workers.values()
@@ -385,6 +419,8 @@ class RequestPool:
         self.stopping.held.discard(key)
         self.stopping.aborted.discard(key)
         self.single_version.discard(key)
+        if self.affinity is not None:
+            self.affinity.dropped(key)
         group = self._groups.get(req.spec.prompt_token_ids)
         if group is not None and group.gid == req.spec.prompt_id:
             group.live -= 1

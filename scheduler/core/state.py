@@ -218,6 +218,10 @@ class CoreSettings:
     max_pending_prompt_tokens: int = 2**25
     """Prompt tokens of the pool's requests waiting or running at once (the pool's memory: about
     8 bytes a token); beyond it, refused as for ``max_pending_requests``."""
+    session_affinity: bool = True
+    """Send a conversation's next turn (same ``X-Session-ID``, or a prompt that extends an
+    earlier request's prompt and response) to the worker that ran the last one while that
+    worker has room: its prefix is in that worker's KV cache (``core/affinity.py``)."""
     max_announced_prompts: int = 131_072
     """Announced prompts (Announce, and Generate's lookahead) waiting in the draft planner for
     their step. An Announce or Generate that would leave more is refused with
@@ -505,8 +509,8 @@ class SchedulerCore(CoreView):
                                  ErrorCode.FAILED_PRECONDITION)
         self.pool.check(spec)
 
-    def submit_requests(self, spec: StepSpec, single_version: bool = False,
-                        dispatch: bool = True) -> tuple[list[str], list[Action]]:
+    def submit_requests(self, spec: StepSpec, single_version: bool = False, dispatch: bool = True,
+                        session_id: str = "") -> tuple[list[str], list[Action]]:
         """An independent call's requests join the pool (``core/pool.py``): their keys, prompt
         by prompt and sample by sample, and the actions that dispatch them. ``spec``'s step id
         and policy version are not used: the requests run under the cluster's version of the
@@ -515,7 +519,7 @@ class SchedulerCore(CoreView):
         them out later, once for many calls (a dispatch looks at every worker and every
         running request; a call's own work is only its requests)."""
         self.check_requests(spec)
-        keys = self.pool.submit(spec, single_version)
+        keys = self.pool.submit(spec, single_version, session_id)
         if spec.use_drafts:
             self._drafts_wanted = True
         return keys, self._fill_all() if dispatch else []
@@ -970,6 +974,8 @@ class SchedulerCore(CoreView):
             # an empty queue first: the cheapest test and, at a step's tail, the usual answer
             if step.shared and step.active and step.spec.policy_version == w.version \
                     and not self.pauser.holds(step.spec.step_id):
+                if step.spec.step_id == POOL and (key := self.pool.take_preferred(w)) is not None:
+                    return key  # its conversation's prefix is in ``w``'s KV cache (core/affinity.py)
                 for _ in range(len(step.shared)):  # keys it may not take go to the back, once
                     key = step.shared.popleft()
                     if self._takeable(w, key):

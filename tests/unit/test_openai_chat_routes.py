@@ -114,7 +114,7 @@ def _app(tokenizer: str, limits=LIMITS, max_body: int = 2**20, refuse: InvalidRe
     or raises ``refuse`` (as the service refuses a call it cannot run)."""
     core = SimpleNamespace(model_limits=limits, policy_version=0, steps={}, check_requests=lambda spec: None)
 
-    async def run_requests(spec, single_version=False):
+    async def run_requests(spec, single_version=False, session_id=""):
         if refuse is not None:
             raise refuse
         core.steps[spec.step_id] = spec

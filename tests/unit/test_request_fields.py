@@ -45,7 +45,7 @@ def _app(tokenizer: str):
         core.steps[spec.step_id] = spec
         yield [_answer(spec, i) for i in range(spec.sampling.n)]
 
-    async def run_requests(spec, *_):  # (spec, single_version) as the service takes them
+    async def run_requests(spec, *_):  # (spec, single_version, session_id) as the service takes them
         core.steps[spec.step_id] = spec
         for i in range(spec.sampling.n):
             yield i, _answer(spec, i)

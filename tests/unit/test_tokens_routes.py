@@ -64,7 +64,7 @@ def _app(tokenizer: str, limits=LIMITS, token: str = "", refuse: InvalidRequest 
         if refuse is not None:
             raise refuse
 
-    async def run_requests(spec, single_version=False):
+    async def run_requests(spec, single_version=False, session_id=""):
         check(spec)
         calls.append(spec)
         for i in reversed(range(spec.sampling.n)):
