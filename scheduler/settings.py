@@ -109,8 +109,15 @@ class SchedulerSettings:
     weight_transfer_timeout_seconds: float = 600.0
     """How long one weight-transfer call (or ``/reset_prefix_cache``) waits for every worker's
     answer; a worker still silent then is named in the error and counts as failed."""
+    weight_update_deadline_seconds: float = 600.0
+    """A weight update started (``/start_weight_update``, or ``/collective_rpc``'s
+    ``skyrl_start_weight_update``) and not finished within this many seconds is rolled back:
+    the version stays, the waiters get the reason, the workers serve nothing until an update
+    succeeds (``core/transfer.py``; ``POST /abort_weight_update`` does it at once)."""
 
     def __post_init__(self) -> None:
+        if not self.weight_update_deadline_seconds > 0:
+            raise ValueError(f"weight_update_deadline_seconds: must be > 0, got {self.weight_update_deadline_seconds!r}")
         try:
             policy = SchedulingPolicy(self.default_policy)
         except ValueError:

@@ -32,6 +32,7 @@ class WorkerState:
     last_seen: float
     loading: int | None = None
     load_failed: int | None = None
+    asleep: bool = False  # its engine sleeps (vLLM's /sleep, core/sleep.py): no request, no draft job
     running: set[str] = field(default_factory=set)
     private: deque[str] = field(default_factory=deque)
     drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # job id -> prompt

@@ -908,7 +908,7 @@ class SchedulerCore(CoreView):
         draft jobs unless ``plan`` is off (``_fill_all`` plans once the whole placement is done:
         a job planned beside a worker's first request would be stopped by its second)."""
         wid = w.hello.worker_id
-        if w.loading is not None or w.load_failed is not None or wid not in self.workers:
+        if w.loading is not None or w.load_failed is not None or w.asleep or wid not in self.workers:
             return []
         now = self.clock()
         actions: list[Action] = []
@@ -1013,7 +1013,7 @@ class SchedulerCore(CoreView):
 
     def _drafter(self, w: WorkerState) -> bool:
         """Whether ``w`` may run draft jobs now."""
-        return self.settings.drafting and w.hello.speculation and w.version == self.version
+        return self.settings.drafting and w.hello.speculation and w.version == self.version and not w.asleep
 
     def _tail_begins(self, w: WorkerState) -> list[Action]:
         """If ``w`` is the first worker of the running step to have none of its work and to be

@@ -21,6 +21,15 @@ this module decides what each worker gets and what the outcome means.
   path is ``weight-transfer:<weight_version or version>``: a label, not a directory. A failed
   call ends the barrier (``PolicyFailed``): the version stays, and members whose weights were
   in flux serve nothing (version -1, as after a failed load) until an update succeeds.
+- Updates that never finish: an update started and not finished within ``deadline_seconds``
+  (``SchedulerSettings.weight_update_deadline_seconds``, by the core's clock: ``expire``, which
+  the shell calls periodically) ends as a failed call does, with an error naming the deadline;
+  ``abort`` does the same at once (``POST /abort_weight_update``). Either way the barrier ends
+  with ``PolicyFailed`` (every waiter gets the reason), the cluster's version stays, and every
+  member serves nothing (version -1) until an update succeeds: its weights may be partly
+  replaced. ``unclosed`` names the members whose engine may still hold the update open (they
+  answered ``start``): the shell closes it there (``CONTROL_OP_ABORT_WEIGHT_UPDATE``), so the
+  next ``start`` is not refused by vLLM as "already active".
 """
 
 from __future__ import annotations
@@ -34,10 +43,12 @@ from bubblespec.scheduler.core.types import Action, ErrorCode, InvalidRequest
 if TYPE_CHECKING:
     from bubblespec.scheduler.core.state import SchedulerCore, WorkerState
 
-__all__ = ["TRANSFER_PREFIX", "Member", "WeightTransfer"]
+__all__ = ["DEFAULT_DEADLINE_SECONDS", "TRANSFER_PREFIX", "Member", "WeightTransfer"]
 
 TRANSFER_PREFIX = "weight-transfer:"
 """Weights path of a version pushed by weight transfer (no directory holds it)."""
+DEFAULT_DEADLINE_SECONDS = 600.0
+"""How long a started weight update may stay open before it is rolled back."""
 
 
 @dataclass(frozen=True)
@@ -52,8 +63,18 @@ class Member:
 class WeightTransfer:
     """The trainer's weight-transfer group and the update in progress, if any."""
 
-    def __init__(self, core: SchedulerCore):
+    def __init__(self, core: SchedulerCore, deadline_seconds: float = DEFAULT_DEADLINE_SECONDS):
+        if not deadline_seconds > 0:
+            raise ValueError(f"weight_update_deadline_seconds: must be > 0, got {deadline_seconds!r}")
         self.core = core
+        self.deadline_seconds = deadline_seconds
+        """A started update not finished within this many seconds (core clock) is rolled back."""
+        self.started_at = 0.0
+        """When the update in progress started (core clock)."""
+        self.unclosed: set[str] = set()
+        """Members whose engine may hold an update open that the scheduler ended (the shell closes it)."""
+        self.rolled_back = ""
+        """Why the latest update was rolled back ('' when none was, or one started since)."""
         self.members: dict[str, Member] = {}
         """The group, frozen at init (worker id -> its ranks); empty before the first init."""
         self.updating: int | None = None
@@ -132,8 +153,9 @@ class WeightTransfer:
 
     def check_updating(self, call: str) -> int:
         if self.updating is None:
+            why = f" (the last one ended: {self.rolled_back})" if self.rolled_back else ""
             raise InvalidRequest("weight_version" if call == "finish" else "update_info",
-                                 "no weight update is in progress: call /start_weight_update first",
+                                 f"no weight update is in progress{why}: call /start_weight_update first",
                                  ErrorCode.FAILED_PRECONDITION)
         return self.updating
 
@@ -165,8 +187,30 @@ class WeightTransfer:
             actions += core._stop_drafts(w)
             w.loading, w.load_failed = version, None
             core.timing.set_state(w, now)
-        self.updating = version
+        self.updating, self.started_at = version, now
+        self.unclosed, self.rolled_back = set(), ""
         return version, actions
+
+    def started(self, answers: dict[str, str | None]) -> None:
+        """``start`` reached the members (worker -> None, or its error): those that took it hold
+        an open update in their engine until finish (or the shell closes it, ``unclosed``)."""
+        self.unclosed = {wid for wid, e in answers.items() if e is None and wid in self.members}
+
+    def overdue(self) -> float | None:
+        """Seconds the update in progress has run past its deadline (>= 0), else None."""
+        if self.updating is None:
+            return None
+        late = self.core.clock() - self.started_at - self.deadline_seconds
+        return late if late >= 0 else None
+
+    def expire(self) -> list[Action]:
+        """Roll back the update in progress if it outlived its deadline (the trainer died, or
+        never called finish): the same outcome as ``abort``, with the deadline as the reason."""
+        if self.overdue() is None:
+            return []
+        return self.abort({}, f"the weight update to version {self.updating} was not finished within "
+                              f"{self.deadline_seconds:g}s (weight_update_deadline_seconds) and was rolled back; "
+                              f"the cluster stays at version {self.core.version}")
 
     def finish(self, label: str, answers: dict[str, str | None]) -> list[Action]:
         """Members answered ``finish_weight_update`` (worker -> None, or its error): every one
@@ -177,6 +221,7 @@ class WeightTransfer:
         if core._barrier is not None and core._barrier.version == version:
             core._barrier.weights_path = f"{TRANSFER_PREFIX}{label or version}"
         self.updating = None
+        self.unclosed = {wid for wid in self.unclosed if answers.get(wid, "") is not None}  # finished: closed
         actions: list[Action] = []
         for wid in sorted(self.members):
             error = answers.get(wid, "did not answer finish_weight_update")
@@ -186,12 +231,14 @@ class WeightTransfer:
     def abort(self, answers: dict[str, str | None], reason: str = "") -> list[Action]:
         """``start`` or ``update`` failed on a member (worker -> its error; None: it succeeded),
         or the group broke (``reason``): the update is over and failed; every member's weights
-        are in flux, so none serves until an update succeeds."""
+        are in flux, so none serves until an update succeeds. Members that took ``start`` stay
+        in ``unclosed`` (their engine holds the update open)."""
         version = self.updating
         if version is None:
             return []
         failed = ", ".join(sorted(wid for wid, e in answers.items() if e is not None)) or "a worker"
         self.updating = None
+        self.rolled_back = reason or f"{failed} failed"
         actions: list[Action] = []
         for wid in sorted(self.members):
             error = answers.get(wid) or reason or f"the weight update was abandoned ({failed} failed)"
