@@ -34,6 +34,9 @@ def create_app(scheduler: SchedulerApp) -> FastAPI:
     from bubblespec.scheduler.tokens_api import create_router as create_tokens_router
 
     app.include_router(create_tokens_router(scheduler))  # /inference/v1/generate, /tokenize, /detokenize
+    from bubblespec.scheduler.prime_rl_routes import create_router as create_prime_rl_router
+
+    app.include_router(create_prime_rl_router(scheduler))  # prime-rl's /liveness, /init_broadcaster (refused)
     from bubblespec.scheduler.weight_transfer import create_router as create_transfer_router
 
     # /init_weight_transfer_engine, /start_weight_update, /finish_weight_update, /reset_prefix_cache
