@@ -19,14 +19,14 @@ from bubblespec.client.errors import (
     PreconditionFailed, ResourceExhausted, RetryableError, ServerError, ServiceUnavailable, StepCancelled,
 )
 from bubblespec.client.types import (
-    Completion, FinishReason, Prompt, Provenance, SamplingParams, SchedulingPolicy, SourceStats, StepResult,
-    StepSummary,
+    Completion, FinishReason, Prompt, PromptLogprob, Provenance, SamplingParams, SchedulingPolicy, SourceStats,
+    StepResult, StepSummary,
 )
 
 __all__ = [
     "AlreadyExists", "AsyncRolloutClient", "AuthenticationFailed", "BubbleSpecError", "ClientSettings",
     "Completion", "DeadlineExceeded", "FatalError", "FinishReason", "InvalidArgument", "NotFound",
-    "PreconditionFailed", "Prompt", "Provenance", "ResourceExhausted", "Retry", "RetryableError",
+    "PreconditionFailed", "Prompt", "PromptLogprob", "Provenance", "ResourceExhausted", "Retry", "RetryableError",
     "RolloutClient", "SamplingParams", "SchedulingPolicy", "ServerError", "ServiceUnavailable", "SourceStats",
     "StepCancelled", "StepResult", "StepSummary",
 ]

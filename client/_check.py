@@ -148,6 +148,10 @@ def check_sampling(sp: object, n: object = None, field: str = "sampling") -> Non
     _token_ids(sp.stop_token_ids, f"{field}.stop_token_ids")
     if sp.seed is not None:
         check_int(sp.seed, f"{field}.seed", *INT64)
+    if sp.prompt_logprobs is not None:
+        check_int(sp.prompt_logprobs, f"{field}.prompt_logprobs")
+    if sp.cache_salt is not None:
+        check_str(sp.cache_salt, f"{field}.cache_salt")
     for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
         check_bool(getattr(sp, name), f"{field}.{name}")
     if not isinstance(sp.logprobs_mode, str):

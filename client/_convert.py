@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.client.types import (
-    Completion, FinishReason, Prompt, Provenance, SamplingParams, SchedulingPolicy, SourceStats, StepSummary,
+    Completion, FinishReason, Prompt, PromptLogprob, Provenance, SamplingParams, SchedulingPolicy, SourceStats,
+    StepSummary,
 )
 
 __all__ = [
@@ -59,6 +60,10 @@ def sampling_to_pb(sp: SamplingParams) -> pb.SamplingParams:
         msg.skip_special_tokens = False
     if not sp.spaces_between_special_tokens:
         msg.spaces_between_special_tokens = False
+    if sp.prompt_logprobs is not None:
+        msg.prompt_logprobs = sp.prompt_logprobs
+    if sp.cache_salt is not None:
+        msg.cache_salt = sp.cache_salt
     return msg
 
 
@@ -82,6 +87,8 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         spaces_between_special_tokens=(msg.spaces_between_special_tokens
                                        if msg.HasField("spaces_between_special_tokens") else True),
         logprobs=msg.logprobs,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        cache_salt=msg.cache_salt or None,
     )
 
 
@@ -144,6 +151,12 @@ def completion_to_pb(c: Completion) -> pb.Completion:
                                 for top in c.top_logprobs)
     if c.version_spans:
         msg.version_spans.extend(pb.VersionSpan(start=i, policy_version=v) for i, v in c.version_spans)
+    if c.prompt_logprobs:
+        msg.prompt_logprobs.extend(
+            pb.PromptLogprob(token_id=p.token_id, logprob=p.logprob, rank=p.rank, token=p.token,
+                             top_token_ids=[t for t, _, _ in p.top], top_logprobs=[lp for _, lp, _ in p.top],
+                             top_tokens=[text for _, _, text in p.top])
+            for p in c.prompt_logprobs)
     return msg
 
 
@@ -156,15 +169,22 @@ def _top_logprobs(msg: pb.Completion) -> tuple[tuple[tuple[int, float], ...], ..
     return tuple(tuple(zip(t.token_ids[:], t.logprobs[:], strict=False)) for t in msg.top_logprobs)
 
 
+def _prompt_logprobs(msg: pb.Completion) -> tuple[PromptLogprob, ...]:
+    return tuple(PromptLogprob(p.token_id, p.logprob, p.rank, p.token,
+                               tuple(zip(p.top_token_ids[:], p.top_logprobs[:], p.top_tokens[:], strict=False)))
+                 for p in msg.prompt_logprobs)
+
+
 def completion_from_pb(msg: pb.Completion) -> Completion:
     # positional, in Completion's field order (cheaper than keywords on the scheduler's per-completion path);
     # a repeated field copied by a slice first: one C loop, half the cost of iterating the container item by item
     args = (msg.step_id, msg.prompt_id, msg.sample_index, tuple(msg.token_ids[:]), tuple(msg.logprobs[:]),
             msg.text, _FINISH_FROM_PB.get(msg.finish_reason, FinishReason.STOP), msg.policy_version,
             msg.worker_id, msg.prompt_tokens, provenance_from_pb(msg.provenance))
-    if msg.top_logprobs or msg.version_spans or msg.WhichOneof("stop_reason") is not None:
+    if msg.top_logprobs or msg.version_spans or msg.prompt_logprobs or msg.WhichOneof("stop_reason") is not None:
         return Completion(*args, stop_reason=_stop_reason(msg), top_logprobs=_top_logprobs(msg),
-                          version_spans=tuple((s.start, s.policy_version) for s in msg.version_spans))
+                          version_spans=tuple((s.start, s.policy_version) for s in msg.version_spans),
+                          prompt_logprobs=_prompt_logprobs(msg))
     return Completion(*args)
 
 

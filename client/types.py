@@ -12,6 +12,7 @@ __all__ = [
     "Completion",
     "FinishReason",
     "Prompt",
+    "PromptLogprob",
     "Provenance",
     "SamplingParams",
     "SchedulingPolicy",
@@ -77,6 +78,16 @@ class SamplingParams:
     ``Completion.logprobs``, ``logprobs_mode``), most likely first; 0 = none. At most
     ``Limits.max_logprobs`` (vLLM's ``max_logprobs``, 20). Every completion carries the
     sampled token's logprob whatever this is."""
+    prompt_logprobs: int | None = None
+    """vLLM's ``prompt_logprobs``: set, each completion's ``prompt_logprobs`` holds, for every
+    prompt token from the second on, its logprob given the tokens before it, its rank, and this
+    many most likely tokens there (0: the prompt token alone). They are the model's log-softmax
+    whatever ``logprobs_mode`` says (vLLM applies no sampling processor to prompt positions). At
+    most ``Limits.max_logprobs``."""
+    cache_salt: str | None = None
+    """vLLM's ``cache_salt``: requests share cached prefix blocks on a worker only when their
+    salts are equal (prefix-cache isolation); the outputs are the same either way. A non-empty
+    string of at most 128 characters without ``@``, ``/``, ``\\`` or NUL (vLLM's rule)."""
 
     def __repr__(self) -> str:
         """The dataclass's repr, leaving out the fields from ``min_tokens`` on where they hold
@@ -88,7 +99,7 @@ class SamplingParams:
 
 
 _LATER_FIELDS = frozenset(("min_tokens", "include_stop_str_in_output", "skip_special_tokens",
-                           "spaces_between_special_tokens", "logprobs"))
+                           "spaces_between_special_tokens", "logprobs", "prompt_logprobs", "cache_salt"))
 
 
 @dataclass(frozen=True)
@@ -134,6 +145,20 @@ class Provenance:
 
 
 @dataclass(frozen=True)
+class PromptLogprob:
+    """One prompt position of ``Completion.prompt_logprobs`` (vLLM's ``prompt_logprobs`` entry):
+    the prompt token there, its logprob given the tokens before it and its rank in the vocabulary
+    (1 = most likely), and the ``SamplingParams.prompt_logprobs`` most likely (token id, logprob,
+    token text) there, most likely first. Texts are vLLM's ``decoded_token``s."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    token: str = ""
+    top: tuple[tuple[int, float, str], ...] = ()
+
+
+@dataclass(frozen=True)
 class Completion:
     """One finished sample of one prompt, as the trainer receives it: its tokens, text, finish
     reason, logprobs when asked, the policy version that made it and its draft provenance."""
@@ -159,6 +184,10 @@ class Completion:
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
     """Per token, its position's ``SamplingParams.logprobs`` most likely (token id, logprob)
     pairs, most likely first; () when none were asked for."""
+    prompt_logprobs: tuple[PromptLogprob, ...] = ()
+    """With ``SamplingParams.prompt_logprobs`` set: one entry per prompt token from the second on
+    (vLLM's list without its leading None); () otherwise. After a keep pause across a policy
+    update they are the first version's (``version_spans[0]``), which read the prompt."""
 
     @property
     def key(self) -> tuple[str, str, int]:

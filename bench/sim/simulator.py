@@ -92,7 +92,7 @@ class _Tokens(Sequence[int]):
 _new = object.__new__
 
 
-_UNUSED_COMPLETION_FIELDS = {"version_spans": (), "stop_reason": None, "top_logprobs": ()}
+_UNUSED_COMPLETION_FIELDS = {"version_spans": (), "stop_reason": None, "top_logprobs": (), "prompt_logprobs": ()}
 """``Completion`` fields a simulated completion leaves at their defaults."""
 
 

@@ -460,7 +460,7 @@ def checked_partial(partial: Completion, req: RequestState, limits: ModelLimits 
     pause), else ``InvalidRequest`` naming the field: another request's, tokens outside the
     vocabulary, another policy version, as long as the request may be, logprobs that do not
     match its tokens."""
-    partial = check_completion(partial, req.spec.key, limits, "aborted.partial")
+    partial = check_completion(partial, req.spec.key, limits, "aborted.partial", req.spec, partial=True)
     if partial.policy_version != req.spec.policy_version:
         raise InvalidRequest("aborted.partial.policy_version",
                              f"{partial.policy_version}, the request asked for {req.spec.policy_version}")

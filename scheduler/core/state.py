@@ -642,7 +642,7 @@ class SchedulerCore(CoreView):
             return [_not_running(worker_id, "completion", key)]
         if completion.worker_id != worker_id:  # the wire stamps it already: copy only when it differs
             completion = replace(completion, worker_id=worker_id)
-        completion = check_completion(completion, key, self.limits)
+        completion = check_completion(completion, key, self.limits, request=req.spec)
         wanted = req.spec.policy_version
         if completion.policy_version != wanted:  # made with other weights than asked
             wrong = f"completion from policy version {completion.policy_version}, not {wanted}"

@@ -17,7 +17,7 @@ from bubblespec.client.types import LOGPROBS_MODES, Prompt, SamplingParams, Sche
 from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits, PromptSpec, StepSpec
 
 __all__ = [
-    "Limits", "build_step", "check_id", "check_request_bytes", "check_sampling", "check_weights_path",
+    "Limits", "build_step", "check_cache_salt", "check_id", "check_request_bytes", "check_sampling", "check_weights_path",
     "prompt_tokens", "worker_message_bound",
 ]
 
@@ -152,12 +152,33 @@ def check_sampling(sp: SamplingParams, limits: Limits, model: ModelLimits) -> No
     if not _is_int(sp.logprobs) or not 0 <= sp.logprobs <= limits.max_logprobs:
         raise InvalidRequest("sampling.logprobs", f"must be between 0 and {limits.max_logprobs} (top alternatives "
                              f"per token), got {sp.logprobs!r:.40}")
+    if sp.prompt_logprobs is not None and (not _is_int(sp.prompt_logprobs)
+                                           or not 0 <= sp.prompt_logprobs <= limits.max_logprobs):
+        raise InvalidRequest("sampling.prompt_logprobs", f"must be between 0 and {limits.max_logprobs} (alternatives "
+                             f"per prompt position; vLLM's max_logprobs), got {sp.prompt_logprobs!r:.40}")
+    check_cache_salt(sp.cache_salt, "sampling.cache_salt")
     for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
         if not isinstance(getattr(sp, name), bool):
             raise InvalidRequest(f"sampling.{name}", f"must be a boolean, got {getattr(sp, name)!r:.40}")
     if sp.logprobs_mode not in ("", *LOGPROBS_MODES):
         raise InvalidRequest("sampling.logprobs_mode", f"must be one of {', '.join(LOGPROBS_MODES)} "
                              f"('' = the scheduler's default), got {sp.logprobs_mode!r:.40}")
+
+
+MAX_CACHE_SALT_CHARS = 128
+"""vLLM 0.32's limit on ``cache_salt`` (``generate/base/protocol.py``)."""
+
+
+def check_cache_salt(salt: object, field: str) -> None:
+    """vLLM's rule: None, or a non-empty string of at most 128 characters without ``@``, ``/``,
+    ``\\`` or NUL."""
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt:
+        raise InvalidRequest(field, f"must be a non-empty string if provided (as in vLLM), got {salt!r:.40}")
+    if len(salt) > MAX_CACHE_SALT_CHARS or any(c in salt for c in "@/\\\x00"):
+        raise InvalidRequest(field, f"must be at most {MAX_CACHE_SALT_CHARS} characters and must not contain '@', '/', "
+                                    f"'\\' or NUL (as in vLLM), got {salt!r:.40}")
 
 
 def prompt_tokens(p: Prompt, field: str, model: ModelLimits, tokenize: Tokenize | None,
