@@ -22,6 +22,11 @@ generator (seeded by ``seed``), as vLLM does. Token ids lie in ``[3, vocab_size)
 (capped by the model length), ``stop_token_ids`` and ``ignore_eos`` behave as in vLLM; stop
 strings need a detokenizer, which this engine has not, so they never match. No speculation:
 ``Provenance.forward_passes`` equals the number of tokens.
+
+Prefix cache. With ``prefix_cache_tokens`` set, the engine keeps the block hashes of the
+prompts and responses it ran, least recently used out first, and counts for each finished
+request the prompt tokens those blocks held (``prefill``, as ``VllmEngine`` counts vLLM's
+``num_cached_tokens``); timing ignores prefill either way.
 """
 
 from __future__ import annotations
@@ -34,11 +39,13 @@ import random
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from bubblespec.client.types import FinishReason, Provenance
+from bubblespec.scheduler.core.affinity import prefix_hashes
 from bubblespec.store.types import uint32_array
 from bubblespec.worker.checkpoint import CheckpointError
-from bubblespec.worker.engine import EngineInfo, EngineOutput, EngineRequest
+from bubblespec.worker.engine import EngineInfo, EngineOutput, EngineRequest, PrefillCounts
 
 __all__ = ["EOS_TOKEN_ID", "LoadEngineSettings", "LoadTestEngine"]
 
@@ -72,6 +79,10 @@ class LoadEngineSettings:
     """Seconds ``load_weights`` takes (nothing is read)."""
     seed: int = 0
     """Seed of the generator that unseeded requests draw from."""
+    prefix_cache_tokens: int = 0
+    """Tokens the simulated prefix cache holds (in blocks of ``PREFIX_BLOCK``); 0: no cache."""
+    self_checks: ClassVar[bool] = False
+    """The worker self-checks (``worker/selfcheck.py``) test vLLM; a simulated engine has none."""
 
     def validate(self) -> LoadEngineSettings:
         """Return self if every field is usable, else raise ValueError naming the field."""
@@ -81,12 +92,42 @@ class LoadEngineSettings:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.vocab_size <= FIRST_TOKEN_ID:
             raise ValueError(f"vocab_size must be > {FIRST_TOKEN_ID}, got {self.vocab_size}")
+        if self.prefix_cache_tokens < 0:
+            raise ValueError(f"prefix_cache_tokens must be >= 0, got {self.prefix_cache_tokens}")
         for name in ("max_model_len", "max_num_seqs", "median_tokens", "progress_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not math.isfinite(self.length_sigma) or self.length_sigma < 0:
             raise ValueError(f"length_sigma must be a finite number >= 0, got {self.length_sigma!r}")
         return self
+
+
+PREFIX_BLOCK = 16
+"""Tokens per block of the simulated prefix cache (vLLM's default KV block)."""
+
+
+class _PrefixCache:
+    """Block hashes of recent prompts and responses, least recently used evicted first."""
+
+    def __init__(self, tokens: int):
+        self.capacity = tokens // PREFIX_BLOCK
+        self._blocks: dict[int, None] = {}  # insertion order = recency
+
+    def cached(self, prompt: tuple[int, ...]) -> int:
+        """Prompt tokens held, from the first block up to the first missing one."""
+        held = 0
+        for h in prefix_hashes(prompt, PREFIX_BLOCK):
+            if h not in self._blocks:
+                break
+            held += PREFIX_BLOCK
+        return held
+
+    def keep(self, tokens: tuple[int, ...]) -> None:
+        for h in prefix_hashes(tokens, PREFIX_BLOCK):
+            self._blocks.pop(h, None)
+            self._blocks[h] = None
+        while len(self._blocks) > self.capacity:
+            del self._blocks[next(iter(self._blocks))]
 
 
 @dataclass(eq=False)
@@ -128,6 +169,8 @@ class LoadTestEngine:
         self._timer_step = 0
         self._step_at = 0.0  # loop time at which step ``engine_steps`` ended
         self._started = False
+        self.prefill = PrefillCounts()
+        self._cache = _PrefixCache(settings.prefix_cache_tokens) if settings.prefix_cache_tokens else None
 
     @property
     def num_running(self) -> int:
@@ -150,6 +193,11 @@ class LoadTestEngine:
         if self.dead:
             raise RuntimeError("engine died")
         run = self._new_run(request)
+        prompt = request.prompt_token_ids
+        held = 0
+        if self._cache is not None:  # prefill: what the cache holds now, then the prompt is in it
+            held = self._cache.cached(prompt)
+            self._cache.keep(prompt)
         self._waiting.append(run)
         self._arrived()
         try:
@@ -163,6 +211,10 @@ class LoadTestEngine:
                 if run.done:
                     break
                 yield EngineOutput(run.key, run.shown)  # type: ignore[arg-type]
+            if not request.draft_job:
+                self.prefill.add(len(prompt), held)
+            if self._cache is not None:
+                self._cache.keep((*prompt, *run.tokens))
             yield EngineOutput(run.key, run.tokens, run.logprobs, "", run.reason,
                                Provenance(forward_passes=len(run.tokens)))
         finally:

@@ -24,7 +24,7 @@ from bubblespec.worker.checkpoint import Checkpoint, CheckpointError, check_chec
 from bubblespec.worker.lifeline import STARTER, Lifeline
 
 __all__ = ["CONTROL_OPS", "Engine", "EngineInfo", "EngineOutput", "EngineRequest", "EngineSettings", "GenerationFailed",
-           "VllmEngine"]
+           "PrefillCounts", "VllmEngine"]
 
 logger = logging.getLogger(__name__)
 PROPOSER = "bubblespec.worker.proposer.BubbleSpecProposer"
@@ -181,6 +181,20 @@ class EngineOutput:
     (() when none were asked for); a live list in progress outputs, as ``token_ids``."""
 
 
+@dataclass
+class PrefillCounts:
+    """Prompt tokens of the requests an engine finished (draft jobs not counted), and how many
+    of them its prefix cache held (vLLM's ``RequestOutput.num_cached_tokens``): the prefill it
+    did not compute. Session affinity (``scheduler/core/affinity.py``) is measured by these."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self.prompt_tokens += prompt_tokens
+        self.cached_tokens += min(max(cached_tokens, 0), prompt_tokens)
+
+
 class Engine(Protocol):
     """What the worker agent needs of an inference engine: generate with optional drafts and
     report progress, abort, load a policy, and describe itself (``info``)."""
@@ -285,6 +299,7 @@ class VllmEngine:
         self._tokenizer = None
         self._expected: Checkpoint | None = None  # the start checkpoint: what a new policy must match
         self._stats = KeyedCalls(self._pop_stats)  # the proposer's per-request stats, one RPC for many requests
+        self.prefill = PrefillCounts()
 
     async def start(self) -> None:
         from bubblespec.worker.compat import require_supported_vllm
@@ -398,6 +413,8 @@ class VllmEngine:
                 tops.extend(_top(step, top_n) for step in c.logprobs or ())
             text.append(c.text)
             reason, stop_reason = c.finish_reason, c.stop_reason
+            if out.finished and not request.draft_job:
+                self.prefill.add(len(request.prompt_token_ids), out.num_cached_tokens or 0)
             if not out.finished:
                 yield EngineOutput(request.key, tokens, logprobs, text, top_logprobs=tops)  # type: ignore[arg-type]
         if reason is None:

@@ -27,7 +27,7 @@ entry per request waiting to be placed.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 __all__ = ["BLOCK", "Affinity", "prefix_hashes"]
@@ -59,8 +59,12 @@ class Affinity:
         self._prefixes: OrderedDict[int, str] = OrderedDict()  # chain hash -> worker that finished it
         self.wanted: dict[str, str] = {}
         """Queued request key -> the worker it prefers (set at submit, gone once placed or dropped)."""
+        self.wanted_by: dict[str, deque[str]] = {}
+        """Worker -> the keys that preferred it, oldest first (stale ones are skipped as met)."""
         self.session_of: dict[str, str] = {}
         """Request key -> its session id, for requests that named one."""
+        self.placements = {"home": 0, "away": 0}
+        """Requests with a preferred worker started there (home) or on another (away)."""
 
     # ---------------------------------------------------------------- requests --
 
@@ -76,12 +80,38 @@ class Affinity:
                 if worker is not None:
                     break
         if worker is not None:
+            queue = self.wanted_by.setdefault(worker, deque())
             for key in keys:
                 self.wanted[key] = worker
+                queue.append(key)
         return worker
 
-    def placed(self, key: str) -> None:
-        """``key`` started on a worker: it prefers nothing any more."""
+    def oldest_for(self, worker_id: str) -> str | None:
+        """The oldest request still preferring ``worker_id`` (None: none)."""
+        queue = self.wanted_by.get(worker_id)
+        while queue:
+            if self.wanted.get(queue[0]) == worker_id:
+                return queue[0]
+            queue.popleft()
+        return None
+
+    def worker_gone(self, worker_id: str) -> None:
+        """``worker_id`` left: nothing prefers it any more (its KV cache went with it)."""
+        for key in self.wanted_by.pop(worker_id, ()):
+            if self.wanted.get(key) == worker_id:
+                del self.wanted[key]
+        for table in (self._sessions, self._prefixes):
+            for k in [k for k, w in table.items() if w == worker_id]:
+                del table[k]
+
+    def placed(self, key: str, worker_id: str) -> None:
+        """``key`` started on ``worker_id``: it prefers nothing any more."""
+        wanted = self.wanted.pop(key, None)
+        if wanted is not None:
+            self.placements["home" if wanted == worker_id else "away"] += 1
+
+    def unwant(self, key: str) -> None:
+        """``key`` keeps its session but prefers no worker (one that cannot take it)."""
         self.wanted.pop(key, None)
 
     def finished(self, key: str, prompt: Sequence[int], response: Sequence[int], worker_id: str) -> None:

@@ -326,6 +326,7 @@ class SchedulerCore(CoreView):
         if w is None:
             return []
         self._loading.discard(worker_id)
+        self.pool.worker_gone(worker_id)
         now = self.clock()
         self.timing.close(w, now)
         actions: list[Action] = []

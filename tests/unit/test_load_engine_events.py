@@ -53,3 +53,24 @@ async def test_progress_outputs_come_every_progress_tokens_and_the_end_once():
     finally:
         await engine.shutdown()
 
+
+
+async def test_the_simulated_prefix_cache_counts_the_blocks_it_holds_and_forgets_the_oldest():
+    engine = LoadTestEngine(LoadEngineSettings(step_seconds=0.0, batch_slope_seconds=0.0, max_model_len=512,
+                                               prefix_cache_tokens=64))  # 4 blocks of 16
+    await engine.start()
+
+    async def run(prompt: tuple[int, ...]) -> tuple[int, ...]:
+        sampling = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        outs = [o async for o in engine.generate(EngineRequest(f"k{len(prompt)}-{prompt[0]}", prompt, sampling))]
+        return outs[-1].token_ids
+
+    first = tuple(range(10, 42))  # 2 blocks
+    response = await run(first)
+    assert (engine.prefill.prompt_tokens, engine.prefill.cached_tokens) == (32, 0)
+    await run(first + response + (7,) * 9)  # 57 tokens: the prompt's 2 blocks and the response's 1 are held
+    assert (engine.prefill.prompt_tokens, engine.prefill.cached_tokens) == (89, 48)
+    await run(tuple(range(100, 164)))  # 4 new blocks push every older one out
+    await run(first)
+    assert engine.prefill.cached_tokens == 48 + 0
+    await engine.shutdown()

@@ -42,7 +42,7 @@ def test_session_and_prefix_lookup_and_the_bound():
     assert aff.submitted(["k5"], (1, 2, 3, 4, 5), "") is None
     aff.dropped("k7")
     assert aff.wanted == {"k2": "w1", "k3": "w1", "k4": "w1"}
-    aff.placed("k2")
+    aff.placed("k2", "w1")
     aff.dropped("k3")
     assert aff.wanted == {"k4": "w1"}
     for i in range(3):  # the bound: oldest sessions and prefixes forgotten first
@@ -122,5 +122,6 @@ def test_a_full_or_gone_worker_loses_the_turn_and_a_freed_slot_takes_its_own_fir
     complete(core, b)
     # the home worker leaves: the session's next turn runs on the other one
     core.remove_worker(home, "gone")
+    assert home not in core.pool.affinity.wanted_by and home not in core.pool.affinity._sessions.values()
     [c] = of(core.submit_requests(call(conversation(300, 8)), session_id="s0")[1], Assign)
     assert c.worker_id == other
