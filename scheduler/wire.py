@@ -27,6 +27,7 @@ from bubblespec.scheduler.core.events import (
     WorkerEvent,
     WorkerSeen,
 )
+from bubblespec.scheduler.core.pool import POOL
 from bubblespec.scheduler.core.types import (
     Abort,
     Action,
@@ -99,7 +100,9 @@ def _completed(worker_id: str, wc: pb.WorkerCompletion) -> Completed:
     msg = wc.completion
     msg.worker_id = worker_id  # stamped here, whatever it claims: the core need not copy it
     c = cv.completion_from_pb(msg)
-    if msg.finish_reason in _FINISH_KNOWN:  # else the decoded one says STOP: encode that instead
+    if msg.finish_reason in _FINISH_KNOWN and not wc.request_key.startswith(_POOL_PREFIX):
+        # (else the decoded one says STOP: encode that instead; an independent call's completion
+        # goes to its HTTP caller only, never to the journal or a trainer's stream: nothing to keep)
         kept = pb.Completion()
         kept.CopyFrom(msg)  # a copy (a C copy, cheaper than encoding): a kept one never pins the whole worker message
         kept.DiscardUnknownFields()  # only what this scheduler knows goes on to the journal and trainer
@@ -107,6 +110,7 @@ def _completed(worker_id: str, wc: pb.WorkerCompletion) -> Completed:
     return Completed(worker_id, wc.request_key, c)
 
 
+_POOL_PREFIX = POOL + "/"
 _FINISH_KNOWN = frozenset(cv._FINISH_FROM_PB)
 """``pb.FinishReason`` values that decode to themselves (any other decodes as STOP)."""
 
