@@ -32,6 +32,8 @@ class ControlOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CONTROL_OP_SLEEP: _ClassVar[ControlOp]
     CONTROL_OP_WAKE_UP: _ClassVar[ControlOp]
     CONTROL_OP_ABORT_WEIGHT_UPDATE: _ClassVar[ControlOp]
+    CONTROL_OP_LOAD_LORA_ADAPTER: _ClassVar[ControlOp]
+    CONTROL_OP_UNLOAD_LORA_ADAPTER: _ClassVar[ControlOp]
 SCHEDULING_POLICY_UNSPECIFIED: SchedulingPolicy
 SCHEDULING_POLICY_STATIC: SchedulingPolicy
 SCHEDULING_POLICY_QUEUE: SchedulingPolicy
@@ -49,6 +51,8 @@ CONTROL_OP_RESET_PREFIX_CACHE: ControlOp
 CONTROL_OP_SLEEP: ControlOp
 CONTROL_OP_WAKE_UP: ControlOp
 CONTROL_OP_ABORT_WEIGHT_UPDATE: ControlOp
+CONTROL_OP_LOAD_LORA_ADAPTER: ControlOp
+CONTROL_OP_UNLOAD_LORA_ADAPTER: ControlOp
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -151,7 +155,7 @@ class PromptLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., rank: _Optional[int] = ..., token: _Optional[str] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., top_tokens: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("step_id", "prompt_id", "sample_index", "token_ids", "logprobs", "text", "finish_reason", "policy_version", "worker_id", "provenance", "prompt_tokens", "stop_string", "stop_token_id", "top_logprobs", "version_spans", "prompt_logprobs")
+    __slots__ = ("step_id", "prompt_id", "sample_index", "token_ids", "logprobs", "text", "finish_reason", "policy_version", "worker_id", "provenance", "prompt_tokens", "stop_string", "stop_token_id", "top_logprobs", "version_spans", "prompt_logprobs", "adapter", "adapter_version")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +172,8 @@ class Completion(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     VERSION_SPANS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_VERSION_FIELD_NUMBER: _ClassVar[int]
     step_id: str
     prompt_id: str
     sample_index: int
@@ -184,7 +190,9 @@ class Completion(_message.Message):
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
     version_spans: _containers.RepeatedCompositeFieldContainer[VersionSpan]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprob]
-    def __init__(self, step_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., provenance: _Optional[_Union[Provenance, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprob, _Mapping]]] = ...) -> None: ...
+    adapter: str
+    adapter_version: int
+    def __init__(self, step_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., provenance: _Optional[_Union[Provenance, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprob, _Mapping]]] = ..., adapter: _Optional[str] = ..., adapter_version: _Optional[int] = ...) -> None: ...
 
 class VersionSpan(_message.Message):
     __slots__ = ("start", "policy_version")
@@ -471,7 +479,7 @@ class WorkerMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., completion: _Optional[_Union[WorkerCompletion, _Mapping]] = ..., aborted: _Optional[_Union[Aborted, _Mapping]] = ..., policy_loaded: _Optional[_Union[PolicyLoaded, _Mapping]] = ..., draft_result: _Optional[_Union[DraftResult, _Mapping]] = ..., control_result: _Optional[_Union[ControlResult, _Mapping]] = ..., completions: _Optional[_Union[WorkerCompletionBatch, _Mapping]] = ..., progress_batch: _Optional[_Union[ProgressBatch, _Mapping]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("request_key", "step_id", "prompt_id", "sample_index", "prompt_token_ids", "sampling", "policy_version", "use_drafts", "group_size", "predicted_tokens", "resume")
+    __slots__ = ("request_key", "step_id", "prompt_id", "sample_index", "prompt_token_ids", "sampling", "policy_version", "use_drafts", "group_size", "predicted_tokens", "resume", "adapter", "adapter_version")
     REQUEST_KEY_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -483,6 +491,8 @@ class Assignment(_message.Message):
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_VERSION_FIELD_NUMBER: _ClassVar[int]
     request_key: str
     step_id: str
     prompt_id: str
@@ -494,7 +504,9 @@ class Assignment(_message.Message):
     group_size: int
     predicted_tokens: float
     resume: Completion
-    def __init__(self, request_key: _Optional[str] = ..., step_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy_version: _Optional[int] = ..., use_drafts: _Optional[bool] = ..., group_size: _Optional[int] = ..., predicted_tokens: _Optional[float] = ..., resume: _Optional[_Union[Completion, _Mapping]] = ...) -> None: ...
+    adapter: str
+    adapter_version: int
+    def __init__(self, request_key: _Optional[str] = ..., step_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy_version: _Optional[int] = ..., use_drafts: _Optional[bool] = ..., group_size: _Optional[int] = ..., predicted_tokens: _Optional[float] = ..., resume: _Optional[_Union[Completion, _Mapping]] = ..., adapter: _Optional[str] = ..., adapter_version: _Optional[int] = ...) -> None: ...
 
 class AssignBatch(_message.Message):
     __slots__ = ("assignments",)
