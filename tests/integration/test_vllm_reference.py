@@ -8,18 +8,12 @@ file whose tail a failure prints. The cluster's engines speculate with drafts, s
 being token-identical to plain vLLM's is the exactness guarantee under test; a seeded request
 has the distribution but not the tokens guaranteed, so its logprobs are checked against plain
 vLLM's for the same prefix. Differences the docs list (docs/INTEGRATIONS.md) are asserted as such.
+The ``vllm_reference`` and ``servers`` fixtures are in conftest.py (shared with test_verifiers_client.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -28,78 +22,7 @@ from tests.factories import prompt_ids
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-START_SECONDS = 600  # two loaded cores, the cluster's engines starting beside it: 35-120 s seen, often more
 LOGPROB_TOLERANCE = 1e-4
-
-
-class Reference:
-    """The plain vLLM server: its base URL, process and log."""
-
-    def __init__(self, port: int, process: subprocess.Popen, log: Path):
-        self.url, self.process, self.log = f"http://127.0.0.1:{port}", process, log
-        self.deadline = time.monotonic() + START_SECONDS
-
-    def tail(self, lines: int = 40) -> str:
-        text = self.log.read_text(errors="replace") if self.log.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    async def wait_ready(self) -> None:
-        async with httpx.AsyncClient(timeout=5) as http:
-            while time.monotonic() < self.deadline:
-                if self.process.poll() is not None:
-                    pytest.fail(f"plain vLLM exited with {self.process.returncode}; {self.log}:\n{self.tail()}")
-                try:
-                    if (await http.get(f"{self.url}/health")).status_code == 200:
-                        return
-                except httpx.TransportError:
-                    pass
-                await asyncio.sleep(1.0)
-        pytest.fail(f"plain vLLM did not answer /health within {START_SECONDS} s; {self.log}:\n{self.tail()}")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(10)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-async def vllm_reference(tiny_model, tmp_path_factory):
-    """Plain vLLM on the tiny model, started before the cluster is asked for (their start-ups overlap)."""
-    port, log = _free_port(), tmp_path_factory.mktemp("vllm-reference") / "server.log"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model, "--enable-scale-out",
-           "--kv-cache-memory-bytes", str(256 * 2**20), "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", "512", "--dtype", "float32", "--logprobs-mode", "processed_logprobs", "--seed", "0"]
-    with log.open("wb") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   start_new_session=True)
-    reference = Reference(port, process, log)
-    try:
-        yield reference
-    finally:
-        reference.stop()
-
-
-@pytest.fixture
-async def servers(vllm_reference, cluster, tiny_model):
-    """(ours, theirs): HTTP clients of the cluster's scheduler and of plain vLLM, the cluster on the
-    weights plain vLLM serves (earlier tests of the session may have loaded others)."""
-    await vllm_reference.wait_ready()
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{cluster.scheduler.http_port}", timeout=300) as ours, \
-            httpx.AsyncClient(base_url=vllm_reference.url, timeout=300) as theirs:
-        if cluster.scheduler.core.weights_path not in ("", tiny_model):
-            r = await ours.post("/update_weights", json={"weight_dir": tiny_model})
-            assert r.status_code == 200, r.text
-        yield ours, theirs
 
 
 async def _both(servers, path: str, body: dict, headers: dict | None = None) -> tuple[httpx.Response, httpx.Response]:
