@@ -13,9 +13,11 @@
 
 Every request field is served or refused by name (400, OpenAI's error shape); vLLM ignores
 unknown fields, BubbleSpec refuses them. Logprob entries in ``tokens`` mode carry vLLM 0.32's
-``token_id`` and also ``"token": "token_id:<id>"``, the older form that prime-rl's client
-(``renderers``, verifiers 0.4) checks. ``rank`` is the sampled token's place when the top
-alternatives show it (or 1 for greedy sampling), else null: BubbleSpec does not compute it.
+``token_id`` and ``rank`` (as 0.33's) and also ``"token": "token_id:<id>"``, vLLM 0.31's form
+(its entries were OpenAI chat logprobs), which prime-rl's client checks on every entry
+(verifiers 0.4's ``TrainClient`` through ``renderers``; prime-rl pins vLLM 0.26). ``rank`` is
+the sampled token's place when the top alternatives show it (or 1 for greedy sampling), else
+null: BubbleSpec does not compute it.
 """
 
 from __future__ import annotations
