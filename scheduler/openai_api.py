@@ -17,6 +17,7 @@ import asyncio
 import json
 import time
 import uuid
+from dataclasses import replace
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from bubblespec.client.types import Prompt, SamplingParams, SchedulingPolicy
 from bubblespec.scheduler.core.types import ErrorCode, InvalidRequest, ModelLimits
-from bubblespec.scheduler.core.validate import build_step
+from bubblespec.scheduler.core.validate import Limits, build_step
+from bubblespec.scheduler.openai_prompt import check_priority, echo_logprobs, parse_prompt_logprobs, prompt_logprobs_json
 from bubblespec.scheduler.request_fields import COMPLETIONS, Refused, Served, check_fields, check_stream_options
 
 if TYPE_CHECKING:
@@ -116,6 +118,10 @@ def parse_sampling(body: dict, default_logprobs_mode: str,
                                          f"token), got {logprobs!r:.40}")
     if body.get("request_id") is not None and not isinstance(body["request_id"], str):
         raise InvalidRequest("request_id", f"must be a string, got {body['request_id']!r:.40}")
+    check_priority(body)
+    prompt_logprobs = parse_prompt_logprobs(body, _MAX_LOGPROBS)
+    if body.get("stream") and not body.get("echo"):
+        prompt_logprobs = None  # 0 with stream: vLLM computes them and sends none; BubbleSpec skips them
     top_k, seed = body.get("top_k"), body.get("seed")
 
     def pick(name, default):
@@ -128,7 +134,11 @@ def parse_sampling(body: dict, default_logprobs_mode: str,
         ignore_eos=pick("ignore_eos", False), logprobs_mode=default_logprobs_mode,
         min_tokens=pick("min_tokens", 0), include_stop_str_in_output=pick("include_stop_str_in_output", False),
         skip_special_tokens=pick("skip_special_tokens", True),
-        spaces_between_special_tokens=pick("spaces_between_special_tokens", True), logprobs=logprobs or 0)
+        spaces_between_special_tokens=pick("spaces_between_special_tokens", True), logprobs=logprobs or 0,
+        prompt_logprobs=prompt_logprobs, cache_salt=body.get("cache_salt"))
+
+
+_MAX_LOGPROBS = Limits().max_logprobs
 
 
 @cache
@@ -193,7 +203,20 @@ class _Completions:
         return parse_prompts(self.body.get("prompt"))
 
     def sampling(self, model: ModelLimits) -> SamplingParams:
-        return parse_sampling(self.body, self.scheduler.settings.default_logprobs_mode)
+        body = self.body
+        if body.get("echo") not in (None, True, False):
+            raise InvalidRequest("echo", f"must be a boolean, got {body.get('echo')!r:.40}")
+        if body.get("echo"):  # vLLM: max_tokens 0 runs one token and answers the prompt alone;
+            # the prompt's logprobs come from prompt logprobs of width logprobs unless prompt_logprobs says
+            self.echo_only = body.get("max_tokens") == 0
+            body = {**body, "max_tokens": 1 if self.echo_only else body.get("max_tokens")}
+        sampling = parse_sampling(body, self.scheduler.settings.default_logprobs_mode)
+        if body.get("echo") and sampling.prompt_logprobs is None and body.get("logprobs") is not None:
+            sampling = replace(sampling, prompt_logprobs=sampling.logprobs)
+        return sampling
+
+    echo_only = False
+    """``echo`` with ``max_tokens`` 0: the answer is the prompt alone (the one token run is not shown)."""
 
     def build(self):
         s, service = self.scheduler.settings, self.scheduler.service
@@ -209,7 +232,41 @@ class _Completions:
             limits=s.limits, model=model, tokenize=service.tokenize)
 
     def choice(self, c, index: int, spec) -> dict:
-        return _choice(c, index, spec, self.body, self.token)
+        choice = _choice(c, index, spec, self.body, self.token)
+        if spec.sampling.prompt_logprobs is not None and not self.body.get("stream"):  # none in vLLM's stream choices
+            choice["prompt_logprobs"] = prompt_logprobs_json(c)
+        if self.body.get("echo"):
+            self._echo(choice, c, index, spec)
+        return choice
+
+    def _echo(self, choice: dict, c, index: int, spec) -> None:
+        """vLLM's ``echo``: the prompt's text before the completion's (none of the completion's for
+        ``max_tokens`` 0), and its tokens in the logprobs before the completion's."""
+        ids = spec.prompts[index // spec.sampling.n].token_ids
+        if self.body.get("return_token_ids"):
+            text = ""
+        else:
+            raw = parse_prompts(self.body.get("prompt"))[index // spec.sampling.n]
+            text = raw.text if raw.text is not None else self.prompt_text(ids)
+        choice["text"] = text + ("" if self.echo_only else choice["text"])
+        if choice.get("logprobs") is None:
+            return
+        as_ids = bool(self.body.get("return_tokens_as_token_ids")) or self.text is None
+        head = echo_logprobs(ids, c, self.body.get("logprobs") or 0, self.token, as_ids)
+        if self.echo_only:
+            choice["logprobs"] = head
+            return
+        tail, shift = choice["logprobs"], sum(len(t) for t in head["tokens"])
+        choice["logprobs"] = {"text_offset": head["text_offset"] + [o + shift for o in tail["text_offset"]],
+                              **{k: head[k] + tail[k] for k in ("token_logprobs", "tokens", "top_logprobs")}}
+
+    def prompt_text(self, ids: tuple[int, ...]) -> str:
+        """A token-id prompt's text, as vLLM's renderer decodes it (special tokens kept)."""
+        tok = self.scheduler.settings.tokenizer
+        if not tok:
+            raise InvalidRequest("echo", "the scheduler has no tokenizer (SchedulerSettings.tokenizer) to give the "
+                                         "prompt's text")
+        return _decoder(tok).decode(list(ids), skip_special_tokens=False)
 
     single_version = False
     """Run again from scratch rather than go on under a new policy version after a keep pause

@@ -24,6 +24,7 @@ import jinja2.sandbox
 from bubblespec.client.types import Prompt, SamplingParams
 from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits
 from bubblespec.scheduler.openai_api import _Completions, _decoder, parse_sampling
+from bubblespec.scheduler.openai_prompt import prompt_logprobs_json
 from bubblespec.scheduler.request_fields import CHAT
 
 __all__ = ["ChatCompletions", "load_chat_template", "parse_messages", "render_chat"]
@@ -191,7 +192,12 @@ class ChatCompletions(_Completions):
         return parse_sampling({**body, "max_tokens": limit, "logprobs": (top or 0) if body.get("logprobs") else None},
                               self.scheduler.settings.default_logprobs_mode, CHAT)
 
+    prompt_logprobs: list | None = None
+    """vLLM's top-level ``prompt_logprobs`` (the prompt's, from the first choice that finished)."""
+
     def choice(self, c, index: int, spec) -> dict:
+        if spec.sampling.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = prompt_logprobs_json(c)
         message = {"role": "assistant", "content": c.text, "refusal": None, "annotations": None, "audio": None,
                    "function_call": None, "reasoning": None}
         return {"index": index, "message": message,
@@ -206,7 +212,7 @@ class ChatCompletions(_Completions):
     def envelope(self, choices: list, usage: dict | None) -> dict:
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": choices, "service_tier": None, "system_fingerprint": None, "usage": usage,
-                "prompt_logprobs": None, "prompt_token_ids": self._prompt_ids()}
+                "prompt_logprobs": self.prompt_logprobs, "prompt_token_ids": self._prompt_ids()}
 
     def _chunk(self, choices: list, **extra) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import math
 import uuid
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request, Response
@@ -32,6 +33,8 @@ from fastapi.responses import JSONResponse
 
 from bubblespec.client.types import Prompt, SamplingParams
 from bubblespec.scheduler.core.types import ErrorCode, InvalidRequest, ModelLimits
+from bubblespec.scheduler.core.validate import check_cache_salt
+from bubblespec.scheduler.openai_prompt import check_priority, prompt_logprobs_json
 from bubblespec.scheduler.openai_api import (
     _Completions,
     _decoder,
@@ -59,8 +62,8 @@ GENERATE_FIELDS: dict[str, tuple | None] = {
     "features": ("multimodal input is " + _NOT_HERE, ()), "content_parts": ("multimodal input is " + _NOT_HERE, ([],)),
     "reasoning_ended": ("structured output is " + _NOT_HERE, ()),
     "reasoning_parser_kwargs": ("reasoning parsers are " + _NOT_HERE, ()),
-    "cache_salt": ("prefix-cache salting is " + _NOT_HERE, ()),
-    "priority": ("priority scheduling is " + _NOT_HERE, (0,)),
+    "cache_salt": _SERVED,  # passed to each request's engine (openai_prompt)
+    "priority": _SERVED,  # any int64, used for nothing, as vllm serve's default fcfs policy (openai_prompt)
     "kv_transfer_params": ("disaggregated serving is " + _NOT_HERE, ()),
     "ec_transfer_params": ("disaggregated serving is " + _NOT_HERE, ()),
 }
@@ -199,9 +202,19 @@ class GenerateCall(_Completions):
         asked = shared.get("max_tokens")
         if asked is None or (_is_int(asked) and asked > room):
             shared["max_tokens"] = room
-        return parse_sampling(shared, self.scheduler.settings.default_logprobs_mode)
+        check_priority(self.body)
+        salt = self.body.get("cache_salt")
+        check_cache_salt(salt, "cache_salt")
+        if self.body.get("stream"):  # vLLM's stream chunks carry no prompt logprobs: none computed
+            shared.pop("prompt_logprobs", None)
+        return replace(parse_sampling(shared, self.scheduler.settings.default_logprobs_mode), cache_salt=salt)
+
+    prompt_logprobs: list | None = None
+    """vLLM's top-level ``prompt_logprobs`` (the prompt's, from the first choice that finished)."""
 
     def choice(self, c, index: int, spec) -> dict:
+        if spec.sampling.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = prompt_logprobs_json(c)
         choice = {"index": index, "finish_reason": c.finish_reason.value, "stop_reason": getattr(c, "stop_reason", None),
                   "token_ids": list(c.token_ids), "routed_experts": None, "sampling_mask": None,
                   "weight_versions": _versions(c), "logprobs": None}
@@ -226,7 +239,7 @@ class GenerateCall(_Completions):
         return {"request_id": self.id, "model": self.model, "created": self.created,
                 "usage": None if usage is None else {**usage, "prompt_tokens_details": None,
                                                      "completion_tokens_details": None},
-                "prompt_logprobs": None, "prompt_token_id_logprobs": None,
+                "prompt_logprobs": self.prompt_logprobs, "prompt_token_id_logprobs": None,
                 "prompt_token_ids": list(self.body["token_ids"]) if self.return_ids else None,
                 "mm_placeholders": None, "metrics": None, "kv_transfer_params": None, "ec_transfer_params": None,
                 "output_mode": self.mode, "choices": choices}

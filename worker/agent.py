@@ -28,7 +28,7 @@ from bubblespec.scheduler.core.drafting import shares_draft_seeds
 from bubblespec.store import DraftEntry, DraftSource, DraftStore, prompt_key
 from bubblespec.worker.checkpoint import CheckpointError
 from bubblespec.worker.engine import Engine, EngineOutput, EngineRequest, EngineSettings
-from bubblespec.worker.resume import joined, joined_top_logprobs, partial, resumed
+from bubblespec.worker.resume import joined, joined_prompt_logprobs, joined_top_logprobs, partial, resumed
 
 __all__ = ["WorkerAgent", "WorkerSettings", "stop_agents"]
 
@@ -461,7 +461,9 @@ class WorkerAgent:
             ids, logprobs, text, provenance = joined(before, final)
             c = Completion(a.step_id, a.prompt_id, a.sample_index, ids, logprobs, text,
                            final.finish_reason, loaded, self.worker_id, len(prompt), provenance,
-                           stop_reason=final.stop_reason, top_logprobs=joined_top_logprobs(before, final))
+                           stop_reason=final.stop_reason, top_logprobs=joined_top_logprobs(before, final),
+                           prompt_logprobs=joined_prompt_logprobs(before, final, len(prompt)),
+                           adapter=a.adapter, adapter_version=a.adapter_version if a.adapter else 0)
             self._progress.pop(key, None)  # finished: its last progress report says nothing more
             for src in final.provenance.sources:
                 tally = self.spec_tokens.setdefault(src.source, [0, 0])

@@ -19,9 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from bubblespec.client.types import LOGPROBS_MODES, FinishReason, Provenance, SamplingParams, SourceStats
+from bubblespec.client.types import LOGPROBS_MODES, FinishReason, PromptLogprob, Provenance, SamplingParams, SourceStats
 from bubblespec.worker.checkpoint import Checkpoint, CheckpointError, check_checkpoint, read_checkpoint
 from bubblespec.worker.lifeline import STARTER, Lifeline
+from bubblespec.worker.lora import LOAD_OP as LORA_LOAD_OP
+from bubblespec.worker.lora import UNLOAD_OP as LORA_UNLOAD_OP
+from bubblespec.worker.lora import LoraAdapters
 
 __all__ = ["CONTROL_OPS", "Engine", "EngineInfo", "EngineOutput", "EngineRequest", "EngineSettings", "GenerationFailed",
            "PrefillCounts", "VllmEngine"]
@@ -179,6 +182,9 @@ class EngineOutput:
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
     """Per token, the ``sampling.logprobs`` most likely (token id, logprob), most likely first
     (() when none were asked for); a live list in progress outputs, as ``token_ids``."""
+    prompt_logprobs: tuple[PromptLogprob, ...] = ()
+    """With ``sampling.prompt_logprobs`` set: one per prompt token from the second on (vLLM
+    sends them with the first output, so progress outputs carry them too); () otherwise."""
 
 
 @dataclass
@@ -385,6 +391,9 @@ class VllmEngine:
             # would take a seed of -1 for none
             seed=None if sp.seed is None else sp.seed % 2**64,
             ignore_eos=sp.ignore_eos, logprobs=None if request.draft_job else sp.logprobs,
+            # computed from the prefill pass alone, which never holds draft tokens (vLLM schedules a
+            # request's drafts only after its prefill), so speculation leaves them as plain vLLM's
+            prompt_logprobs=None if request.draft_job else sp.prompt_logprobs,
             include_stop_str_in_output=sp.include_stop_str_in_output, skip_special_tokens=sp.skip_special_tokens,
             spaces_between_special_tokens=sp.spaces_between_special_tokens,
             detokenize=not request.draft_job or bool(sp.stop),
@@ -398,7 +407,10 @@ class VllmEngine:
         of pieces, valid until the next yield: what a stopped request sends, ``worker/resume.py``),
         then the final output (tuples, ``finish_reason`` set)."""
         assert self._llm is not None, "engine not started"
-        prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
+        prompt: dict = {"prompt_token_ids": list(request.prompt_token_ids)}
+        if request.sampling.cache_salt is not None:  # vLLM's prefix-cache salt, as its serving code passes it
+            prompt["cache_salt"] = request.sampling.cache_salt
+        scored: tuple[PromptLogprob, ...] = ()
         tokens: list[int] = []
         logprobs: list[float] = []
         tops: list[tuple[tuple[int, float], ...]] = []
@@ -412,11 +424,14 @@ class VllmEngine:
             if top_n:
                 tops.extend(_top(step, top_n) for step in c.logprobs or ())
             text.append(c.text)
+            if out.prompt_logprobs and not scored:
+                scored = _prompt_rows(out.prompt_logprobs, request.prompt_token_ids, request.sampling.prompt_logprobs)
             reason, stop_reason = c.finish_reason, c.stop_reason
             if out.finished and not request.draft_job:
                 self.prefill.add(len(request.prompt_token_ids), out.num_cached_tokens or 0)
             if not out.finished:
-                yield EngineOutput(request.key, tokens, logprobs, text, top_logprobs=tops)  # type: ignore[arg-type]
+                yield EngineOutput(request.key, tokens, logprobs, text, top_logprobs=tops,  # type: ignore[arg-type]
+                                   prompt_logprobs=scored)
         if reason is None:
             return
         finish = _FINISH_REASONS.get(reason)
@@ -426,7 +441,7 @@ class VllmEngine:
             raise GenerationFailed(f"vLLM ended the request with finish reason {reason!r} after {len(tokens)} tokens")
         yield EngineOutput(
             request.key, tuple(tokens), tuple(logprobs), "".join(text), finish,
-            await self._provenance(request.key, len(tokens)), stop_reason, tuple(tops),
+            await self._provenance(request.key, len(tokens)), stop_reason, tuple(tops), scored,
         )
 
     async def _provenance(self, key: str, num_tokens: int) -> Provenance:
@@ -538,6 +553,22 @@ def _top(step: dict, n: int) -> tuple[tuple[int, float], ...]:
     ``n``), most likely first."""
     ranked = sorted((lp.rank, tok, float(lp.logprob)) for tok, lp in step.items() if lp.rank is not None and lp.rank <= n)
     return tuple((tok, lp) for _, tok, lp in ranked[:n])  # a tie with the sampled token can rank n + 1 of them
+
+
+def _prompt_rows(rows, prompt: tuple[int, ...], n: int | None) -> tuple[PromptLogprob, ...]:
+    """vLLM's ``RequestOutput.prompt_logprobs`` (None for the first prompt token, then per
+    position a dict: the prompt token, then the ``n`` most likely by rank, each once) as
+    ``PromptLogprob``s. Where the prompt token is among the ``n`` its entry holds that place's
+    rank, as in vLLM's dict; the order of the ``n`` is vLLM's (its rank order)."""
+    out = []
+    for i, row in enumerate(rows[1:], start=1):
+        token = prompt[i]
+        items = list(row.items())
+        mine = row[token]
+        others = items[1:] if len(items) > (n or 0) else sorted(items, key=lambda kv: kv[1].rank)
+        top = tuple((t, float(lp.logprob), lp.decoded_token or "") for t, lp in others[:n or 0])
+        out.append(PromptLogprob(token, float(mine.logprob), int(mine.rank), mine.decoded_token or "", top))
+    return tuple(out)
 
 
 def _stats_provenance(stats: dict) -> Provenance:

@@ -8,7 +8,11 @@ The scheduler moves a long request off a busy worker to an idle one (``scheduler
   partial are its context; ``max_tokens`` counts the partial; a seeded request gets
   ``resume_seed``, fresh draws; stored drafts are shifted to the position it goes on from),
   and ``joined`` makes its completion (the partial's tokens, logprobs, text and passes, then
-  what followed).
+  what followed). Prompt logprobs (``SamplingParams.prompt_logprobs``) come with a request's
+  first output: a partial that has them hands them on and the idle worker does not compute them
+  again; one stopped before its first output has none, and the idle worker computes them over
+  ``prompt + partial`` and keeps the original prompt's (``joined_prompt_logprobs``): a
+  position's logprobs depend only on the tokens before it, so they are the same numbers.
 
 Generation from ``prompt + partial`` samples the continuation from the same conditional
 distribution the first worker would have used, so the joined completion is exact
@@ -20,11 +24,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from bubblespec.client.types import Completion, FinishReason, Provenance
+from bubblespec.client.types import Completion, FinishReason, PromptLogprob, Provenance
 from bubblespec.scheduler.core.moves import resume_seed
 from bubblespec.worker.engine import EngineOutput, EngineRequest
 
-__all__ = ["joined", "joined_top_logprobs", "partial", "resumed"]
+__all__ = ["joined", "joined_prompt_logprobs", "joined_top_logprobs", "partial", "resumed"]
 
 
 def resumed(request: EngineRequest, before: Completion) -> EngineRequest:
@@ -35,7 +39,8 @@ def resumed(request: EngineRequest, before: Completion) -> EngineRequest:
         raise ValueError(f"resume: {n} tokens already, max_tokens is {request.sampling.max_tokens}")
     seed = request.sampling.seed
     sampling = replace(request.sampling, max_tokens=left, min_tokens=max(0, request.sampling.min_tokens - n),
-                       seed=None if seed is None else resume_seed(seed, n))
+                       seed=None if seed is None else resume_seed(seed, n),
+                       prompt_logprobs=None if before.prompt_logprobs else request.sampling.prompt_logprobs)
     drafts = tuple((source, tokens[n:]) for source, tokens in request.drafts if len(tokens) > n)
     return replace(request, prompt_token_ids=request.prompt_token_ids + tuple(before.token_ids), sampling=sampling,
                    drafts=drafts, predicted_tokens=max(0.0, request.predicted_tokens - n))
@@ -59,6 +64,16 @@ def joined_top_logprobs(before: Completion | None, final: EngineOutput) -> tuple
     return tuple(before.top_logprobs) + tuple(final.top_logprobs)
 
 
+def joined_prompt_logprobs(before: Completion | None, final: EngineOutput,
+                           prompt_tokens: int) -> tuple[PromptLogprob, ...]:
+    """``Completion.prompt_logprobs`` of a request of a ``prompt_tokens``-token prompt that went on
+    after ``before``: the partial's where it has them, else the final run's over the prompt alone
+    (that run's prompt was the prompt and the partial)."""
+    if before is not None and before.prompt_logprobs:
+        return tuple(before.prompt_logprobs)
+    return tuple(final.prompt_logprobs[:max(0, prompt_tokens - 1)])
+
+
 def partial(step_id: str, prompt_id: str, sample_index: int, before: Completion | None, last: EngineOutput | None,
             version: int, worker_id: str, prompt_tokens: int, provenance: Provenance | None) -> Completion:
     """What a stopped request generated: ``before`` (if it had moved here) and ``last``, its
@@ -79,10 +94,13 @@ def partial(step_id: str, prompt_id: str, sample_index: int, before: Completion 
         sources.append(replace(s, accepted_tokens=took))
     mine = Completion(step_id, prompt_id, sample_index, tokens, logprobs if len(logprobs) == len(tokens) else (),
                       text, FinishReason.STOP, version, worker_id, prompt_tokens,
-                      Provenance(len(tokens) - accepted, tuple(sources)), top_logprobs=tops)
+                      Provenance(len(tokens) - accepted, tuple(sources)), top_logprobs=tops,
+                      prompt_logprobs=tuple(last.prompt_logprobs[:max(0, prompt_tokens - 1)]) if last is not None
+                      else ())
     if before is None:
         return mine
     last_part = EngineOutput("", mine.token_ids, mine.logprobs, mine.text, None, mine.provenance, top_logprobs=tops)
     ids, lps, txt, prov = joined(before, last_part)
     return replace(mine, token_ids=ids, logprobs=lps if len(lps) == len(ids) else (), text=txt, provenance=prov,
-                   top_logprobs=joined_top_logprobs(before, last_part))
+                   top_logprobs=joined_top_logprobs(before, last_part),
+                   prompt_logprobs=tuple(before.prompt_logprobs) or mine.prompt_logprobs)
