@@ -28,6 +28,7 @@ TINY_MODEL_DIR = Path.home() / ".cache" / "bubblespec" / "tiny-model"
 
 def _scheduler_settings(a: argparse.Namespace, **over) -> SchedulerSettings:
     fields = dict(host=a.host, grpc_port=a.grpc_port, http_port=a.http_port, tokenizer=a.tokenizer,
+                  served_model_name=getattr(a, "served_model_name", ""),
                   redis_url=a.redis_url, redis_password=a.redis_password, trainer_token=a.trainer_token,
                   worker_token=a.worker_token, tls_cert_file=a.tls_cert_file, tls_key_file=a.tls_key_file,
                   tls_client_ca_file=a.tls_client_ca_file, default_policy=a.default_policy,

@@ -51,6 +51,8 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
     _add(p, "grpc-port", 50051, "gRPC port (trainer + worker APIs, health, reflection)")
     _add(p, "http-port", 8080, "HTTP port (/healthz /readyz /metrics /status /ui)")
     _add(p, "tokenizer", "", "model directory or tokenizer.json for text prompts")
+    _add(p, "served-model-name", "", "the model name of /v1/models and of every call's model field ('' = the "
+         "tokenizer directory's name), as vllm serve's --served-model-name")
     _add(p, "redis-url", "", "draft store URL (redis:// or rediss://)")
     _add(p, "redis-password", "", "draft store password")
     _add(p, "redis-tls-ca-file", "", "PEM CA for rediss://")

@@ -50,3 +50,23 @@ def test_init_broadcaster_takes_the_trainer_token():
     assert http.post("/init_broadcaster", json=NCCL_INIT).status_code == 401
     r = http.post("/init_broadcaster", json=NCCL_INIT, headers={"Authorization": "Bearer secret"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "init_broadcaster"
+
+
+def test_served_model_name_flag_names_the_model_prime_rl_asks_for(monkeypatch):
+    """prime-rl checks ``/v1/models`` for its ``model.name`` (a hub id such as ``Qwen/Qwen3-0.6B``)
+    and sends it as every call's ``model``: ``--served-model-name`` (or its variable) sets it."""
+    import argparse
+
+    from bubblespec.cli.commands import _scheduler_settings
+    from bubblespec.cli.main import _scheduler_flags
+
+    def settings(*argv: str) -> SchedulerSettings:
+        parser = argparse.ArgumentParser()
+        _scheduler_flags(parser)
+        return _scheduler_settings(parser.parse_args(list(argv)))
+
+    assert settings("--tokenizer", "/models/Qwen3-0.6B").model_name() == "Qwen3-0.6B"
+    assert settings("--tokenizer", "/models/Qwen3-0.6B", "--served-model-name", "Qwen/Qwen3-0.6B").model_name() == \
+        "Qwen/Qwen3-0.6B"
+    monkeypatch.setenv("BUBBLESPEC_SERVED_MODEL_NAME", "Qwen/Qwen3-0.6B")
+    assert settings("--tokenizer", "/models/Qwen3-0.6B").model_name() == "Qwen/Qwen3-0.6B"
