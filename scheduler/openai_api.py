@@ -397,7 +397,7 @@ async def _serve(scheduler: SchedulerApp, request: Request, kind: type[_Completi
         if (header_id := request.headers.get("x-request-id")) is not None:  # vLLM: the header wins over the body
             call.id = f"{call.ID_PREFIX}-{header_id}"
         rename = call.rename
-        if body.get("model") and body.get("model") != call.model:  # vLLM: no model = the served one
+        if body.get("model") and not scheduler.settings.serves_model(body["model"]):  # vLLM: no model = the served one
             return error(404, f"The model `{body.get('model')}` does not exist.", "model")
         spec = call.build()
         if body.get("stream"):  # refusals (a full queue, no worker) must come before the 200 of a stream

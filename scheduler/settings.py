@@ -98,7 +98,8 @@ class SchedulerSettings:
     """Scheduling-core tunables."""
     served_model_name: str = ""
     """Model id of the OpenAI-compatible routes (``/v1/models``; a ``/v1/completions`` request
-    naming another model gets 404). '' = the basename of ``tokenizer``, or "bubblespec"."""
+    naming another model gets 404). '' = the basename of ``tokenizer``, or "bubblespec"; requests
+    may then also name ``tokenizer`` as given (vLLM's default name, ``serves_model``)."""
     weight_transfer_backend: str | None = None
     """vLLM's weight-transfer backend for the trainer-pushed weight routes
     (``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights {update_info}``,
@@ -132,6 +133,15 @@ class SchedulerSettings:
         path = Path(self.tokenizer.rstrip("/")) if self.tokenizer else None
         default = "" if path is None else (path.parent.name if path.suffix == ".json" else path.name)
         return self.served_model_name or default or "bubblespec"
+
+    def serves_model(self, name: object) -> bool:
+        """Whether a request's ``model`` names the served model: ``model_name()``, or, with no
+        ``served_model_name``, the ``tokenizer`` string as given, which is vLLM's default served
+        name (``vllm serve DIR`` serves "DIR"; TRL's async GRPO rollouts send the path they loaded)."""
+        if not isinstance(name, str):
+            return False
+        return name == self.model_name() or (not self.served_model_name and bool(self.tokenizer)
+                                              and name.rstrip("/") == self.tokenizer.rstrip("/"))
 
     def open_apis(self) -> list[str]:
         """The gRPC APIs that take calls without a token."""

@@ -348,7 +348,7 @@ def create_router(scheduler: SchedulerApp) -> APIRouter:
             return refusal
         try:
             body = await read_json(request, scheduler.settings.limits.max_request_bytes)
-            if body.get("model") and body["model"] != scheduler.settings.model_name():
+            if body.get("model") and not scheduler.settings.serves_model(body["model"]):
                 return error(404, f"The model `{body['model']}` does not exist.", "model")
             return JSONResponse(handler(scheduler, body))
         except InvalidRequest as exc:
