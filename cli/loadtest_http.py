@@ -5,8 +5,9 @@ child process, simulated-engine workers in processes of their own).
 The load: ``connections`` clients (4,096 by default), each one rollout that sends one call per
 round and waits for its answer; a round ends when every connection has its answer. The clients
 run in ``client_processes`` processes of their own (``python -m bubblespec.cli.loadtest_http
-'<config>'``, aiohttp, a keep-alive connection each, opened before the first round and closed
-by the client once idle ``KEEPALIVE_SECONDS``), which the load-test process drives over
+'<config>'``; HTTP/1.1 on asyncio's streams, no client library: ``_Clients``), a keep-alive
+connection each, opened before the first round and opened anew by a call that finds it idle
+over ``KEEPALIVE_SECONDS``, which the load-test process drives over
 stdin/stdout like the worker processes (``loadtest_workers.ChildProcesses``). A call: a token-id prompt
 unique to its connection and round (no tokenizer needed, no two calls grouped), temperature 1,
 ``max_tokens``, a seed, ``n`` = ``choices``, ``return_token_ids``. A 429 is counted and retried
@@ -100,45 +101,97 @@ def _call_prompt(settings: LoadSettings, rnd: int, conn: int) -> list[int]:
     return lead + [rng.randrange(3, 32000) for _ in range(rng.randint(lo, hi) - len(lead))]
 
 
+class _Connection:
+    """One keep-alive HTTP/1.1 connection on asyncio's streams: a request's bytes out, its
+    answer's status line, headers and ``Content-Length`` body (or chunks) back."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        self.used = 0.0  # when its last answer came (monotonic)
+
+    async def open(self) -> None:
+        self.close()
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port, limit=2**20)
+        self.used = time.monotonic()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+    async def request(self, data: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
+        """Send ``data`` (a whole request) and read the answer: status, headers (lower-case
+        names), body. Raises ``ConnectionError`` / ``asyncio.IncompleteReadError`` when the
+        connection fails under it, ``ValueError`` for an answer that is not HTTP/1.1."""
+        if self.reader is None or self.writer is None:
+            raise ConnectionError("not open")
+        self.writer.write(data)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        version, status, _ = (lines[0] + b"  ").split(b" ", 2)
+        if not version.startswith(b"HTTP/1."):
+            raise ValueError(f"not an HTTP/1.x answer: {lines[0][:80]!r}")
+        headers = {}
+        for line in lines[1:]:
+            if line:
+                name, _, value = line.partition(b":")
+                headers[name.strip().lower()] = value.strip()
+        if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
+            body = b""
+            while size := int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16):
+                body += (await self.reader.readexactly(size + 2))[:-2]
+            await self.reader.readuntil(b"\r\n")
+        else:
+            body = await self.reader.readexactly(int(headers.get(b"content-length", b"0")))
+        if headers.get(b"connection", b"").lower() == b"close":
+            self.close()
+        self.used = time.monotonic()
+        return int(status), headers, body
+
+
+_CONNECTION_ERRORS = (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError)
+"""A connection failing under a call (``ConnectionError`` is an ``OSError``; ``ValueError``:
+an answer that is not HTTP/1.1)."""
+
+
 class _Clients:
-    """The connections of one client process: one aiohttp session, one call per connection a round."""
+    """The connections of one client process, one call per connection a round: HTTP/1.1 on
+    asyncio's streams (``_Connection``), each call's request bytes built whole, no HTTP client
+    library (aiohttp's per-call work was the largest part of the clients' CPU, on the cores the
+    scheduler uses)."""
 
     def __init__(self, config: dict) -> None:
+        from urllib.parse import urlsplit
+
         self.settings = LoadSettings(**config["settings"])
         self.url, self.first, self.count = config["url"], config["first"], config["count"]
-        self.session = None
+        url = urlsplit(self.url)
+        self.host, self.port = url.hostname or "127.0.0.1", url.port or 80
+        self.conns = {c: _Connection(self.host, self.port) for c in range(self.first, self.first + self.count)}
         self.lags: list[float] = []
         self.opened = 0  # connections opened
         self.errors: Counter = Counter()  # connection failures under a call, by exception class
 
-    async def _opened(self, *_) -> None:
-        self.opened += 1
-
     async def start(self) -> None:
-        import aiohttp
-
-        # idle connections close before uvicorn's keep-alive (5 s) closes them under a call; a connection
-        # idle longer (a round that waited for a slower one) reconnects
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=None, keepalive_timeout=KEEPALIVE_SECONDS)
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=60, sock_read=600)
-        trace = aiohttp.TraceConfig()
-        trace.on_connection_create_end.append(self._opened)
-        self.session = aiohttp.ClientSession(self.url, connector=connector, timeout=timeout, trace_configs=[trace])
         self._lag_task = asyncio.create_task(self._lag())
+        todo = list(self.conns.values())
         for _ in range(3):  # open every connection before the first round (a burst may overflow the backlog)
-            ok = await asyncio.gather(*(self._open() for _ in range(self.count)))
-            if all(ok):
+            ok = await asyncio.gather(*(self._open(conn) for conn in todo))
+            todo = [conn for conn, good in zip(todo, ok, strict=True) if not good]
+            if not todo:
                 return
-        raise RuntimeError(f"{ok.count(False)} of {self.count} connections to {self.url} failed to open")
+        raise RuntimeError(f"{len(todo)} of {self.count} connections to {self.url} failed to open")
 
-    async def _open(self) -> bool:
-        import aiohttp
-
+    async def _open(self, conn: _Connection) -> bool:
+        health = f"GET /health HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n\r\n".encode()
         try:
-            async with self.session.get("/health") as resp:
-                await resp.read()
-                return resp.status == 200
-        except aiohttp.ClientError:
+            await conn.open()
+            status, _, _ = await conn.request(health)
+            return status == 200
+        except _CONNECTION_ERRORS:
+            conn.close()
             return False
 
     async def _lag(self, period: float = 0.05) -> None:
@@ -155,32 +208,36 @@ class _Clients:
         return {"calls": calls, "cpu": time.process_time() - cpu0, "lags": self.lags, "opened": self.opened,
                 "errors": dict(self.errors)}
 
-    async def _call(self, rnd: int, conn: int) -> list:
+    async def _call(self, rnd: int, c: int) -> list:
         """[connection, prompt key, sent, answered, status, 429s, reconnects, choice token keys or error]."""
-        import aiohttp
-
         s = self.settings
-        prompt = _call_prompt(s, rnd, conn)
+        prompt = _call_prompt(s, rnd, c)
         body = json.dumps({"prompt": prompt, "max_tokens": s.max_tokens, "temperature": 1.0, "n": s.choices,
-                           "seed": s.seed * 100_000_000 + rnd * s.connections + conn, "return_token_ids": True})
-        headers = {"Content-Type": "application/json"}
+                           "seed": s.seed * 100_000_000 + rnd * s.connections + c, "return_token_ids": True},
+                          separators=(",", ":")).encode()
+        data = (f"POST /v1/completions HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+        conn = self.conns[c]
         sent = time.monotonic()
         refused = reconnects = 0
         while True:
             try:
-                async with self.session.post("/v1/completions", data=body, headers=headers) as resp:
-                    raw = await resp.read()
-                    answered, status = time.monotonic(), resp.status
-                    retry_after = resp.headers.get("Retry-After")
-            except (aiohttp.ClientError, TimeoutError) as exc:
+                # a connection idle past KEEPALIVE_SECONDS (or closed) opens anew before the call
+                if conn.writer is None or time.monotonic() - conn.used > KEEPALIVE_SECONDS:
+                    await conn.open()
+                    self.opened += 1
+                status, headers, raw = await conn.request(data)
+                answered = time.monotonic()
+            except _CONNECTION_ERRORS as exc:
+                conn.close()
                 self.errors[type(exc).__name__] += 1
                 if reconnects < 3:  # e.g. a keep-alive connection the server closed as the call went
                     reconnects += 1
                     continue
-                return [conn, prompt_key(prompt), sent, time.monotonic(), 0, refused, reconnects, repr(exc)[:200]]
+                return [c, prompt_key(prompt), sent, time.monotonic(), 0, refused, reconnects, repr(exc)[:200]]
             if status == 429:
                 refused += 1
-                await asyncio.sleep(float(retry_after or 1))
+                await asyncio.sleep(float(headers.get(b"retry-after", b"1")))
                 continue
             break
         out: list | str
@@ -188,12 +245,12 @@ class _Clients:
             out = raw[:200].decode(errors="replace")
         else:
             out = _choice_keys(json.loads(raw), s.choices)
-        return [conn, prompt_key(prompt), sent, answered, status, refused, reconnects, out]
+        return [c, prompt_key(prompt), sent, answered, status, refused, reconnects, out]
 
     async def stop(self) -> None:
         self._lag_task.cancel()
-        if self.session is not None:
-            await self.session.close()
+        for conn in self.conns.values():
+            conn.close()
 
 
 def _choice_keys(answer: dict, n: int) -> list | str:
@@ -481,11 +538,6 @@ def summary_text(result: LoadResult) -> str:
 def http_loadtest(settings: LoadSettings, json_path: str = "") -> int:
     """``bubblespec loadtest --http``: run, print the table and the summary; exit 1 when the
     count check fails."""
-    try:
-        import aiohttp  # noqa: F401
-    except ImportError:
-        print("bubblespec loadtest --http needs aiohttp: pip install aiohttp", file=sys.stderr)
-        return 2
     s = settings
     print(f"load test over HTTP: {s.connections} connections x {s.rounds} rounds of /v1/completions (n={s.choices}) "
           f"in {s.client_processes} client process(es); {s.workers} simulated-engine workers x capacity {s.capacity}, "
