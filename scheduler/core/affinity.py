@@ -29,8 +29,11 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from typing import TypeVar
 
 __all__ = ["BLOCK", "Affinity", "prefix_hashes"]
+
+K = TypeVar("K", str, int)
 
 BLOCK = 64
 """Tokens per block of the prefix chain. Coarser than vLLM's KV blocks (16 on most backends):
@@ -100,9 +103,10 @@ class Affinity:
         for key in self.wanted_by.pop(worker_id, ()):
             if self.wanted.get(key) == worker_id:
                 del self.wanted[key]
-        for table in (self._sessions, self._prefixes):
-            for k in [k for k, w in table.items() if w == worker_id]:
-                del table[k]
+        for session in [k for k, w in self._sessions.items() if w == worker_id]:
+            del self._sessions[session]
+        for prefix in [k for k, w in self._prefixes.items() if w == worker_id]:
+            del self._prefixes[prefix]
 
     def placed(self, key: str, worker_id: str) -> None:
         """``key`` started on ``worker_id``: it prefers nothing any more."""
@@ -139,7 +143,7 @@ class Affinity:
         return len(self._sessions), len(self._prefixes), len(self.wanted)
 
 
-def _put(table: OrderedDict, key, value: str, limit: int) -> None:
+def _put(table: OrderedDict[K, str], key: K, value: str, limit: int) -> None:
     table[key] = value
     table.move_to_end(key)
     while len(table) > limit:
