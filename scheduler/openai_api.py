@@ -233,8 +233,8 @@ class _Completions:
 
     def choice(self, c, index: int, spec) -> dict:
         choice = _choice(c, index, spec, self.body, self.token)
-        if spec.sampling.prompt_logprobs is not None and not self.body.get("stream"):  # none in vLLM's stream choices
-            choice["prompt_logprobs"] = prompt_logprobs_json(c)
+        if not self.body.get("stream"):  # vLLM's choices carry it (null unless asked); its stream choices do not
+            choice["prompt_logprobs"] = None if spec.sampling.prompt_logprobs is None else prompt_logprobs_json(c)
         if self.body.get("echo"):
             self._echo(choice, c, index, spec)
         return choice

@@ -127,8 +127,9 @@ OK = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 4}}
     ({**OK, "sampling_params": {"prompt_logprob_token_ids": [[1]]}}, 400, "prompt_logprob_token_ids"),
     ({**OK, "sampling_params": {"extra_args": {"a": 1}}}, 400, "extra_args"),
     ({**OK, "sampling_params": {"routed_experts_prompt_start": -2}}, 400, "routed_experts_prompt_start"),
-    ({**OK, "priority": 3}, 400, "priority"),
-    ({**OK, "cache_salt": "salt"}, 400, "cache_salt"),
+    ({**OK, "priority": "high"}, 400, "priority"),  # any int64 is served (used for nothing, as vllm serve)
+    ({**OK, "cache_salt": "a@b"}, 400, "cache_salt"),  # vLLM's rule; a salt is served
+    ({**OK, "sampling_params": {"prompt_logprobs": -2}}, 400, "prompt_logprobs"),
     ({**OK, "cache_salt": ""}, 400, "cache_salt"),
     ({**OK, "features": {"mm_hashes": {}, "mm_placeholders": {}}}, 400, "features"),
     ({**OK, "content_parts": [{"type": "image_url"}]}, 400, "content_parts"),
