@@ -36,7 +36,8 @@ def _scheduler_settings(a: argparse.Namespace, **over) -> SchedulerSettings:
                   redis_tls_ca_file=a.redis_tls_ca_file, orphan_grace_seconds=a.orphan_grace_seconds,
                   journal_redis_url=a.journal_redis_url, journal_secret=a.journal_secret,
                   journal_finished_ttl_seconds=a.journal_finished_ttl_seconds,
-                  weight_transfer_backend=getattr(a, "weight_transfer_backend", "") or None)
+                  weight_transfer_backend=getattr(a, "weight_transfer_backend", "") or None,
+                  weight_update_deadline_seconds=getattr(a, "weight_update_deadline_seconds", 600.0))
     fields.update(over)
     try:
         fields.setdefault("core", CoreSettings(

@@ -39,8 +39,15 @@ def create_app(scheduler: SchedulerApp) -> FastAPI:
     app.include_router(create_prime_rl_router(scheduler))  # prime-rl's /liveness, /init_broadcaster (refused)
     from bubblespec.scheduler.weight_transfer import create_router as create_transfer_router
 
-    # /init_weight_transfer_engine, /start_weight_update, /finish_weight_update, /reset_prefix_cache
+    # /init_weight_transfer_engine, /start_weight_update, /finish_weight_update, /reset_prefix_cache,
+    # /collective_rpc (SkyRL's weight sync), /abort_weight_update
     app.include_router(create_transfer_router(scheduler))
+    from bubblespec.scheduler.sleep_api import create_router as create_sleep_router
+
+    app.include_router(create_sleep_router(scheduler))  # /sleep, /wake_up, /is_sleeping
+    from bubblespec.scheduler.render_api import create_router as create_render_router
+
+    app.include_router(create_render_router(scheduler))  # /v1/chat/completions/render
 
     @app.get("/healthz")
     def healthz() -> dict:

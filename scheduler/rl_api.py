@@ -7,6 +7,7 @@
   ``{"status": "resumed"}``, ``GET /is_paused`` -> ``{"is_paused": bool}``: the scheduler's
   dispatch, with BubbleSpec's guarantees (``core/pause.py``). ``clear_cache`` is accepted and
   ignored (vLLM ignores it for ``keep``; a policy update resets what depends on the weights).
+  ``/resume`` is refused (409) while the engines sleep (``sleep_api``: ``/wake_up`` resumes).
 - ``POST /update_weights {"weight_dir": DIR}`` (prime-rl): the policy-version barrier, version
   = current + 1; the answer comes once every worker loaded it. ``{"update_info": {...}}`` is
   vLLM's weight-transfer form, handled by ``bubblespec.scheduler.weight_transfer`` when that
@@ -167,6 +168,11 @@ def create_router(scheduler: SchedulerApp) -> APIRouter:
     @router.post("/resume")
     async def resume(request: Request) -> Response:
         async def run():
+            from bubblespec.scheduler.sleep_api import sleep_of
+
+            if sleep_of(scheduler).asleep:
+                return error(409, "request: the engines are asleep (POST /sleep): POST /wake_up resumes dispatch "
+                             "once every worker is fully awake", "request")
             scheduler.service.resume()
             return {"status": "resumed"}
         return await answer(request, run)

@@ -34,3 +34,15 @@ if ! cmp -s tests/requirements-verifiers.txt .venv-verifiers/requirements.txt 2>
   .venv-verifiers/bin/pip install -q -r tests/requirements-verifiers.txt
   cp tests/requirements-verifiers.txt .venv-verifiers/requirements.txt
 fi
+
+# SkyRL's own client (RemoteInferenceClient), for tests/integration/test_skyrl_client.py: a venv
+# of its own (skyrl 0.3 pins transformers<=5.8; .venv has 5.19), every package pinned in
+# tests/requirements-skyrl.txt and installed without dependencies; no torch. Rebuilt when that
+# file changes.
+if ! cmp -s tests/requirements-skyrl.txt .venv-skyrl/requirements.txt 2>/dev/null; then
+  rm -rf .venv-skyrl
+  python3 -m venv .venv-skyrl
+  .venv-skyrl/bin/pip install -q --upgrade pip
+  .venv-skyrl/bin/pip install -q --no-deps -r tests/requirements-skyrl.txt
+  cp tests/requirements-skyrl.txt .venv-skyrl/requirements.txt
+fi

@@ -37,7 +37,8 @@ _CONTROL_OPS = {pb.CONTROL_OP_INIT_WEIGHT_TRANSFER: "init_weight_transfer",  # -
                 pb.CONTROL_OP_START_WEIGHT_UPDATE: "start_weight_update",
                 pb.CONTROL_OP_UPDATE_WEIGHTS: "update_weights",
                 pb.CONTROL_OP_FINISH_WEIGHT_UPDATE: "finish_weight_update",
-                pb.CONTROL_OP_RESET_PREFIX_CACHE: "reset_prefix_cache"}
+                pb.CONTROL_OP_RESET_PREFIX_CACHE: "reset_prefix_cache", pb.CONTROL_OP_SLEEP: "sleep",
+                pb.CONTROL_OP_WAKE_UP: "wake_up", pb.CONTROL_OP_ABORT_WEIGHT_UPDATE: "abort_weight_update"}
 ASSIGNMENT_STREAM_TOKENS = 16
 """An assignment's progress comes from the engine every 16 tokens (``EngineRequest.stream_tokens``):
 its progress reports go out every ``progress_seconds`` anyway, and an aborted assignment keeps
@@ -387,7 +388,9 @@ class WorkerAgent:
         """Run one engine control call (vLLM's weight transfer, prefix-cache reset) and answer
         it. Calls run one at a time, in the order they came. ``start_weight_update`` leaves
         the weights unknown (version -1: vLLM rebuilds the layers as they arrive) until
-        ``finish_weight_update`` succeeds and sets the version the scheduler gave it."""
+        ``finish_weight_update`` succeeds and sets the version the scheduler gave it (an
+        ``abort_weight_update`` leaves them unknown); ``sleep`` drops what runs first, and at
+        level 2 (weights discarded) leaves the weights unknown too."""
         async with self._control_lock:
             op = _CONTROL_OPS.get(call.op)
             try:
@@ -396,9 +399,10 @@ class WorkerAgent:
                 args = json.loads(call.json or "{}")
                 if not isinstance(args, dict):
                     raise TypeError("json: must be a JSON object")
-                if op == "start_weight_update":
-                    await self._drop_all()  # no generation spans the weights' change (none should run)
-                    self.version = -1
+                if op in ("start_weight_update", "sleep"):
+                    await self._drop_all()  # no generation spans the weights' change or the sleep (none should run)
+                if op == "start_weight_update" or (op == "sleep" and args.get("level") == 2):
+                    self.version = -1  # weights in flux, or discarded (sleep level 2): none serves until an update
                 result = await self.engine.control(op, args)
                 if op == "finish_weight_update":
                     self.version = call.policy_version

@@ -228,8 +228,32 @@ class Engine(Protocol):
 
 
 CONTROL_OPS = ("init_weight_transfer", "start_weight_update", "update_weights", "finish_weight_update",
-               "reset_prefix_cache")
+               "reset_prefix_cache", "sleep", "wake_up", "abort_weight_update")
 """vLLM's RL control calls a worker runs for the scheduler (``ControlCall.op``)."""
+
+
+async def _sleep_or_abort(llm, op: str, args: dict) -> dict:
+    """vLLM's ``AsyncLLM.sleep(level)`` (mode abort: the scheduler already took the worker's
+    requests off it), ``wake_up(tags)`` -> ``{"fully_awake": bool}``, and the close of a
+    weight update the scheduler rolled back: vLLM 0.32 has no abort, so the engine finishes the
+    update it holds open (the layers never received keep their previous kernel tensors; the
+    worker serves nothing until an update succeeds) and drops its cached KV blocks."""
+    if op == "sleep":
+        level = args.get("level")
+        if level not in (0, 1, 2):
+            raise ValueError(f"level: must be 0, 1 or 2, got {level!r:.20}")
+        await llm.sleep(level, "abort")
+        return {}
+    if op == "wake_up":
+        tags = args.get("tags")
+        return {"fully_awake": bool(await llm.wake_up(tags))}
+    try:
+        await llm.collective_rpc("finish_weight_update")
+    except Exception as exc:  # nothing open there (start never reached it, or it finished): closed already
+        if "without a matching start_weight_update" not in str(exc):
+            raise
+    await llm.reset_prefix_cache()
+    return {}
 
 
 def _import_vllm():
@@ -513,6 +537,8 @@ class VllmEngine:
         elif op == "reset_prefix_cache":
             done = await llm.reset_prefix_cache(bool(args.get("reset_running_requests")), bool(args.get("reset_external")))
             return {"success": bool(done)}
+        elif op in ("sleep", "wake_up", "abort_weight_update"):
+            return await _sleep_or_abort(llm, op, args)
         else:
             raise ValueError(f"op: unknown control operation {op!r:.40}")
         return {}
