@@ -65,7 +65,8 @@ def _engine_settings(a: argparse.Namespace) -> EngineSettings:
                               draft_token_seconds=a.draft_token_seconds, measure_draft_cost=a.measure_draft_cost,
                               draft_for_makespan=a.draft_for_makespan,
                               allow_unsupported_vllm=a.allow_unsupported_vllm, self_checks=not a.unsafe_skip_self_checks,
-                              weight_transfer_backend=a.weight_transfer_backend or None)
+                              weight_transfer_backend=a.weight_transfer_backend or None,
+                              enable_lora=a.enable_lora, max_lora_rank=a.max_lora_rank, max_loras=a.max_loras)
     except ValueError as exc:
         raise SystemExit(f"bubblespec: bad engine flag: {exc}") from None
 

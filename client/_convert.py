@@ -140,7 +140,7 @@ def completion_to_pb(c: Completion) -> pb.Completion:
         step_id=c.step_id, prompt_id=c.prompt_id, sample_index=c.sample_index, token_ids=list(c.token_ids),
         logprobs=list(c.logprobs), text=c.text, finish_reason=_FINISH_TO_PB[c.finish_reason],
         policy_version=c.policy_version, worker_id=c.worker_id, provenance=provenance_to_pb(c.provenance),
-        prompt_tokens=c.prompt_tokens,
+        prompt_tokens=c.prompt_tokens, adapter=c.adapter, adapter_version=c.adapter_version,
     )
     if isinstance(c.stop_reason, str):
         msg.stop_string = c.stop_reason
@@ -181,10 +181,12 @@ def completion_from_pb(msg: pb.Completion) -> Completion:
     args = (msg.step_id, msg.prompt_id, msg.sample_index, tuple(msg.token_ids[:]), tuple(msg.logprobs[:]),
             msg.text, _FINISH_FROM_PB.get(msg.finish_reason, FinishReason.STOP), msg.policy_version,
             msg.worker_id, msg.prompt_tokens, provenance_from_pb(msg.provenance))
-    if msg.top_logprobs or msg.version_spans or msg.prompt_logprobs or msg.WhichOneof("stop_reason") is not None:
+    if msg.top_logprobs or msg.version_spans or msg.prompt_logprobs or msg.WhichOneof("stop_reason") is not None \
+            or msg.adapter:
         return Completion(*args, stop_reason=_stop_reason(msg), top_logprobs=_top_logprobs(msg),
                           version_spans=tuple((s.start, s.policy_version) for s in msg.version_spans),
-                          prompt_logprobs=_prompt_logprobs(msg))
+                          prompt_logprobs=_prompt_logprobs(msg), adapter=msg.adapter,
+                          adapter_version=msg.adapter_version)
     return Completion(*args)
 
 

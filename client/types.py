@@ -188,6 +188,12 @@ class Completion:
     """With ``SamplingParams.prompt_logprobs`` set: one entry per prompt token from the second on
     (vLLM's list without its leading None); () otherwise. After a keep pause across a policy
     update they are the first version's (``version_spans[0]``), which read the prompt."""
+    adapter: str = ""
+    """The LoRA adapter it ran with ('' = the base model alone); ``policy_version`` stays the base
+    model's version."""
+    adapter_version: int = 0
+    """The adapter's version (1 at its first ``/v1/load_lora_adapter``, +1 at each reload); 0
+    without an adapter."""
 
     @property
     def key(self) -> tuple[str, str, int]:

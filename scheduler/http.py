@@ -42,6 +42,9 @@ def create_app(scheduler: SchedulerApp) -> FastAPI:
     # /init_weight_transfer_engine, /start_weight_update, /finish_weight_update, /reset_prefix_cache,
     # /collective_rpc (SkyRL's weight sync), /abort_weight_update
     app.include_router(create_transfer_router(scheduler))
+    from bubblespec.scheduler.lora_api import create_router as create_lora_router
+
+    app.include_router(create_lora_router(scheduler))  # /v1/load_lora_adapter, /v1/unload_lora_adapter
     from bubblespec.scheduler.sleep_api import create_router as create_sleep_router
 
     app.include_router(create_sleep_router(scheduler))  # /sleep, /wake_up, /is_sleeping

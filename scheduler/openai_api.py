@@ -368,7 +368,9 @@ def create_router(scheduler: SchedulerApp, chat: type[_Completions] | None = Non
         card = {"id": scheduler.settings.model_name(), "object": "model", "created": int(time.time()),
                 "owned_by": "bubblespec", "root": scheduler.settings.tokenizer or None, "parent": None,
                 "max_model_len": None if limits is None else limits.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
+        from bubblespec.scheduler.lora_api import adapter_cards
+
+        return JSONResponse({"object": "list", "data": [card, *adapter_cards(scheduler, card["created"])]})
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -397,14 +399,21 @@ async def _serve(scheduler: SchedulerApp, request: Request, kind: type[_Completi
         if (header_id := request.headers.get("x-request-id")) is not None:  # vLLM: the header wins over the body
             call.id = f"{call.ID_PREFIX}-{header_id}"
         rename = call.rename
+        headers = None
         if body.get("model") and not scheduler.settings.serves_model(body["model"]):  # vLLM: no model = the served one
-            return error(404, f"The model `{body.get('model')}` does not exist.", "model")
-        spec = call.build()
+            from bubblespec.scheduler import lora_api
+
+            if not isinstance(body["model"], str) or (adapter := await lora_api.adapter_for(scheduler, body["model"])) is None:
+                return error(404, f"The model `{body.get('model')}` does not exist.", "model")
+            call.model, headers = adapter[0], {lora_api.ADAPTER_VERSION_HEADER: str(adapter[1])}  # a LoRA adapter's
+            spec = lora_api.with_adapter(call.build(), adapter)
+        else:
+            spec = call.build()
         if body.get("stream"):  # refusals (a full queue, no worker) must come before the 200 of a stream
             scheduler.service.core.check_requests(spec)
-            return StreamingResponse(call.stream(spec), media_type="text/event-stream")
+            return StreamingResponse(call.stream(spec), media_type="text/event-stream", headers=headers)
         answer = await until_disconnected(request, call.whole(spec))
-        return Response(status_code=499) if answer is None else JSONResponse(answer)
+        return Response(status_code=499) if answer is None else JSONResponse(answer, headers=headers)
     except InvalidRequest as exc:
         return _refusal(exc, rename)
 

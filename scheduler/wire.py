@@ -193,6 +193,8 @@ def _assignment(req: RequestSpec, predicted: float = 0.0, make=pb.Assignment,
         use_drafts=req.use_drafts, group_size=req.group_size, predicted_tokens=predicted)
     if resume is not None:
         msg.resume.CopyFrom(cv.completion_to_pb(resume))
+    if req.adapter is not None:
+        msg.adapter, msg.adapter_version = req.adapter
     return msg
 
 

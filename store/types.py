@@ -105,9 +105,14 @@ def uint32_from_bytes(data: bytes | memoryview) -> array[int]:
     return values
 
 
-def prompt_key(token_ids: Sequence[int]) -> str:
-    """Return the store key of a prompt: blake2b-96 hex of its token ids as LE uint32."""
+def prompt_key(token_ids: Sequence[int], adapter: tuple[str, int] | None = None) -> str:
+    """Return the store key of a prompt: blake2b-96 hex of its token ids as LE uint32. Under a
+    LoRA ``adapter`` (name, version) the key also hashes the adapter's name and version, so that
+    drafts and lengths of one adapter version never serve another's requests or the base model's."""
     digest = hashlib.blake2b(uint32_array(token_ids).tobytes(), digest_size=12)
+    if adapter is not None:
+        name, version = adapter
+        digest.update(b"\0lora\0" + name.encode() + b"\0" + str(int(version)).encode())
     return digest.hexdigest()
 
 

@@ -39,6 +39,8 @@ _CONTROL_OPS = {pb.CONTROL_OP_INIT_WEIGHT_TRANSFER: "init_weight_transfer",  # -
                 pb.CONTROL_OP_FINISH_WEIGHT_UPDATE: "finish_weight_update",
                 pb.CONTROL_OP_RESET_PREFIX_CACHE: "reset_prefix_cache", pb.CONTROL_OP_SLEEP: "sleep",
                 pb.CONTROL_OP_WAKE_UP: "wake_up", pb.CONTROL_OP_ABORT_WEIGHT_UPDATE: "abort_weight_update"}
+_CONTROL_OPS.update({pb.CONTROL_OP_LOAD_LORA_ADAPTER: "load_lora_adapter",  # LoRA adapters: worker/lora.py
+                     pb.CONTROL_OP_UNLOAD_LORA_ADAPTER: "unload_lora_adapter"})
 ASSIGNMENT_STREAM_TOKENS = 16
 """An assignment's progress comes from the engine every 16 tokens (``EngineRequest.stream_tokens``):
 its progress reports go out every ``progress_seconds`` anyway, and an aborted assignment keeps
@@ -416,12 +418,14 @@ class WorkerAgent:
 
     # ------------------------------------------------------------ generation --
 
-    async def _drafts_for(self, prompt: tuple[int, ...], seed: int | None = None) -> tuple[tuple[str, tuple[int, ...]], ...]:
-        """The stored drafts of ``prompt``; a request whose ``seed`` a draft job could have had
-        gets none of the draft jobs' (``future``) ones (``shares_draft_seeds``)."""
+    async def _drafts_for(self, prompt: tuple[int, ...], seed: int | None = None,
+                          adapter: tuple[str, int] | None = None) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """The stored drafts of ``prompt`` (under LoRA ``adapter`` (name, version): that version's
+        alone); a request whose ``seed`` a draft job could have had gets none of the draft jobs'
+        (``future``) ones (``shares_draft_seeds``)."""
         if self.store is None:
             return ()
-        pk = prompt_key(prompt)
+        pk = prompt_key(prompt, adapter)
         entries = (await self.store.get_drafts([pk])).get(pk, [])
         if shares_draft_seeds(seed):
             entries = [e for e in entries if e.source is not DraftSource.FUTURE]
@@ -439,8 +443,9 @@ class WorkerAgent:
         try:
             prompt = tuple(a.prompt_token_ids[:])  # a slice first: one C loop, not one call per token
             sampling = cv.sampling_from_pb(a.sampling)
-            drafts = await self._drafts_for(prompt, sampling.seed) if a.use_drafts else ()
-            request = EngineRequest(key, prompt, sampling, drafts, a.use_drafts,
+            adapter = (a.adapter, a.adapter_version) if a.adapter else None
+            drafts = await self._drafts_for(prompt, sampling.seed, adapter) if a.use_drafts else ()
+            request = EngineRequest(key, prompt, sampling, drafts, a.use_drafts, adapter=adapter,
                                     predicted_tokens=a.predicted_tokens, stream_tokens=ASSIGNMENT_STREAM_TOKENS)
             done_before = 0
             if before is not None:
@@ -475,7 +480,7 @@ class WorkerAgent:
                 tally[1] += src.accepted_tokens
             self._send(completion=pb.WorkerCompletion(request_key=key, completion=cv.completion_to_pb(c)))
             self._untrack(key)
-            await self._remember(prompt, c, a.step_id)
+            await self._remember(prompt, c, a.step_id, adapter)
         except asyncio.CancelledError:
             self._progress.pop(key, None)
             spent = await self.engine.abort(key)
@@ -512,10 +517,11 @@ class WorkerAgent:
         elif reports:
             self._send(progress_batch=pb.ProgressBatch(progress=reports))
 
-    async def _remember(self, prompt: tuple[int, ...], c: Completion, step_id: str) -> None:
+    async def _remember(self, prompt: tuple[int, ...], c: Completion, step_id: str,
+                        adapter: tuple[str, int] | None = None) -> None:
         if self.store is None or not self.settings.history_drafts:
             return
-        pk = prompt_key(prompt)
+        pk = prompt_key(prompt, adapter)
         await self.store.put_draft(pk, DraftEntry(c.token_ids, c.policy_version, step_id, DraftSource.HISTORY, time.time()))
         await self.store.record_length(pk, len(c.token_ids))
 

@@ -25,6 +25,9 @@ from bubblespec.worker.lifeline import STARTER, Lifeline
 from bubblespec.worker.lora import LOAD_OP as LORA_LOAD_OP
 from bubblespec.worker.lora import UNLOAD_OP as LORA_UNLOAD_OP
 from bubblespec.worker.lora import LoraAdapters
+from bubblespec.worker.lora import LOAD_OP as LORA_LOAD_OP
+from bubblespec.worker.lora import UNLOAD_OP as LORA_UNLOAD_OP
+from bubblespec.worker.lora import LoraAdapters
 
 __all__ = ["CONTROL_OPS", "Engine", "EngineInfo", "EngineOutput", "EngineRequest", "EngineSettings", "GenerationFailed",
            "PrefillCounts", "VllmEngine"]
@@ -117,6 +120,14 @@ class EngineSettings:
     lets a trainer push weights into this engine through the scheduler's weight-transfer routes
     (docs/INTEGRATIONS.md). None = none: those calls fail on this worker with vLLM's
     "Weight transfer not configured". ``nccl`` needs GPUs."""
+    enable_lora: bool = False
+    """Start the engine with LoRA support (vLLM's ``enable_lora``), so that the scheduler's
+    ``/v1/load_lora_adapter`` can load adapters here (``worker/lora.py``). On a CPU engine it
+    also turns off vLLM's torch.compile (vLLM's CPU platform does so with LoRA on)."""
+    max_lora_rank: int = 16
+    """The largest adapter rank it loads (vLLM's ``max_lora_rank``)."""
+    max_loras: int = 4
+    """Adapter versions one batch may use at once (vLLM's ``max_loras``)."""
     self_checks: bool = True
     """Run the start-up self-checks (``selfcheck``) before the worker joins the scheduler.
     UNSAFE to turn off: nothing then verifies that drafts, the CPU sampler fix or weight
@@ -131,6 +142,9 @@ class EngineSettings:
             raise ValueError(f"draft_token_seconds: must be a finite number >= 0, got {self.draft_token_seconds!r:.40}")
         if not (isinstance(self.draft_token_budget, int) and self.draft_token_budget >= 1):
             raise ValueError(f"draft_token_budget: must be an int >= 1, got {self.draft_token_budget!r:.40}")
+        for name in ("max_lora_rank", "max_loras"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+                raise ValueError(f"{name}: must be an int >= 1, got {getattr(self, name)!r:.40}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode: must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r:.40}")
 
@@ -161,6 +175,8 @@ class EngineRequest:
     predicted_tokens: float = 0.0
     """The scheduler's predicted response length (0: none): the proposer's batch plan counts
     a request no draft continues by it (``tail_drafts``). Proposals only: exact either way."""
+    adapter: tuple[str, int] | None = None
+    """The LoRA adapter (name, version) it runs with (``worker/lora.py``); None: the base model."""
     stream_tokens: int = 1
     """Tokens per progress output (vLLM's ``stream_interval``); the first and the final output
     come as they are either way. The engine's frontend then builds, queues and hands this
@@ -230,6 +246,7 @@ class Engine(Protocol):
 CONTROL_OPS = ("init_weight_transfer", "start_weight_update", "update_weights", "finish_weight_update",
                "reset_prefix_cache", "sleep", "wake_up", "abort_weight_update")
 """vLLM's RL control calls a worker runs for the scheduler (``ControlCall.op``)."""
+CONTROL_OPS = (*CONTROL_OPS, LORA_LOAD_OP, LORA_UNLOAD_OP)  # and LoRA adapters' loads (worker/lora.py)
 
 
 async def _sleep_or_abort(llm, op: str, args: dict) -> dict:
@@ -330,6 +347,7 @@ class VllmEngine:
         self._expected: Checkpoint | None = None  # the start checkpoint: what a new policy must match
         self._stats = KeyedCalls(self._pop_stats)  # the proposer's per-request stats, one RPC for many requests
         self.prefill = PrefillCounts()
+        self.loras = LoraAdapters()
 
     async def start(self) -> None:
         from bubblespec.worker.compat import require_supported_vllm
@@ -378,6 +396,7 @@ class VllmEngine:
             # them was ~6% of a bench worker process's CPU, beside the engines on the same cores
             disable_log_stats=True,
             weight_transfer_config=({"backend": s.weight_transfer_backend} if s.weight_transfer_backend else None),
+            **({"enable_lora": True, "max_lora_rank": s.max_lora_rank, "max_loras": s.max_loras} if s.enable_lora else {}),
         )
         # Engine start-up blocks for tens of seconds: keep the event loop (heartbeats) running.
         # Several engines start at once (nothing per-engine goes through this process's environment);
@@ -423,7 +442,9 @@ class VllmEngine:
             detokenize=not request.draft_job or bool(sp.stop),
             output_kind=RequestOutputKind.DELTA, stream_interval=request.stream_tokens if request.stream_tokens > 1 else None,
             extra_args={"bubblespec": {"key": request.key, "drafts": drafts, "enabled": request.use_drafts,
-                                       "predicted": request.predicted_tokens, "job": request.draft_job}},
+                                       "predicted": request.predicted_tokens, "job": request.draft_job,
+                                       # drafts never cross adapters: siblings are rows of the same adapter version
+                                       "adapter": "" if request.adapter is None else "{}@{}".format(*request.adapter)}},
         )
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
@@ -441,7 +462,8 @@ class VllmEngine:
         text: list[str] = []
         reason = stop_reason = None
         top_n = 0 if request.draft_job else request.sampling.logprobs
-        async for out in self._llm.generate(prompt, self._params(request), request_id=request.key):
+        lora = {} if request.adapter is None else {"lora_request": self.loras.request(*request.adapter)}
+        async for out in self._llm.generate(prompt, self._params(request), request_id=request.key, **lora):
             c = out.outputs[0]
             tokens.extend(c.token_ids)
             logprobs.extend(float(step[tok].logprob) for step, tok in zip(c.logprobs or (), c.token_ids))
@@ -520,6 +542,11 @@ class VllmEngine:
         ``/reset_prefix_cache`` routes make them. ``finish_weight_update`` also drops every
         cached KV block (computed under the old weights), failing when it cannot."""
         assert self._llm is not None, "engine not started"
+        if op in (LORA_LOAD_OP, LORA_UNLOAD_OP):
+            if not self.settings.enable_lora:
+                raise ValueError("LoRA is not enabled on this worker's engine (EngineSettings.enable_lora, "
+                                 "bubblespec worker --enable-lora)")
+            return await self.loras.control(self._llm, op, args)
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
 
         llm = self._llm

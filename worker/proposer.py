@@ -4,7 +4,8 @@ How drafts reach this code: the BubbleSpec worker puts each request's candidates
 ``SamplingParams.extra_args["bubblespec"]``. vLLM ships sampling params with the request to
 every worker process (single process, multiprocess, tensor-parallel ranks alike), so each
 rank's proposer sees the same candidates (and which drafts count: "Draft length" below).
-Sibling candidates are read live from the batch: rows whose prompt is identical.
+Sibling candidates are read live from the batch: rows whose prompt is identical and that run
+under the same LoRA adapter version (``adapter``; none for the base model).
 
 The proposer needs the model runner (to map batch rows to requests). vLLM builds the proposer
 before the runner exists as an attribute, so the worker calls ``collective_rpc
@@ -14,7 +15,8 @@ before the runner exists as an attribute, so the worker calls ``collective_rpc
 
     {"key": "<request key>", "drafts": [["future" | "history", <uint32 LE bytes>], ...],
      "enabled": true, "predicted": <the scheduler's predicted response length, 0: none>,
-     "job": <true for a draft job's generation>}
+     "job": <true for a draft job's generation>,
+     "adapter": "<LoRA adapter name>@<version>" | "" (the base model)}
 
 Where no candidate continues a request, it can draft from its own prompt + output (source
 ``suffix``, ``draft_index.SuffixRule``; engine setting ``self_suffix_drafting``, off by default).
@@ -328,7 +330,8 @@ class BubbleSpecProposer:
         cands = [Candidate(src, _valid_prefix(np.frombuffer(raw, dtype="<u4").astype(np.int64), self.vocab_size))
                  for src, raw in extra.get("drafts", [])]
         prompt = tuple(state.prompt_token_ids or ())
-        drafter = RequestDrafter(cands, self.rule, key=extra["key"], prompt_hash=hash(prompt),
+        # siblings are the rows with the same prompt under the same adapter version (worker/lora.py)
+        drafter = RequestDrafter(cands, self.rule, key=extra["key"], prompt_hash=hash((extra.get("adapter", ""), prompt)),
                                  prompt_len=len(prompt), suffix=self.suffix, prompt_tokens=prompt,
                                  predicted=float(extra.get("predicted") or 0.0), draft_job=bool(extra.get("job")),
                                  min_tokens=int(getattr(params, "min_tokens", 0) or 0))

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from bubblespec.client.types import Completion, FinishReason, SamplingParams, SchedulingPolicy
+from bubblespec.scheduler.core.adapters import AdapterTable, check_adapter
 from bubblespec.scheduler.core.affinity import Affinity
 from bubblespec.scheduler.core.checks import check_completion
 from bubblespec.scheduler.core.types import (
@@ -98,7 +99,8 @@ class RequestPool:
 
     def __init__(self, core: CoreParts):
         self.core = core
-        self._groups: dict[tuple[int, ...], _Group] = {}
+        self._groups: dict[tuple[tuple[str, int] | None, tuple[int, ...]], _Group] = {}
+        """(adapter, prompt tokens) -> its group: siblings never cross LoRA adapters or versions."""
         self._ids = itertools.count()
         self.parked: list[str] = []
         """Requests submitted while paused, queued at ``resume``."""
@@ -113,6 +115,8 @@ class RequestPool:
         """Group id -> the worker its latest request went to (``place_with_siblings``)."""
         self.affinity: Affinity | None = Affinity() if core.settings.session_affinity else None
         """Which worker holds each conversation's prefix (``core/affinity.py``); None: off."""
+        self.adapters = AdapterTable()
+        """The LoRA adapters served, their versions and holders (``core/adapters.py``)."""
 
     # ------------------------------------------------------------------ queries --
 
@@ -132,6 +136,8 @@ class RequestPool:
             raise InvalidRequest("request", f"{self.pending} requests are waiting or running, the limit is "
                                  f"{limits.max_pending_requests} (max_pending_requests); retry later",
                                  ErrorCode.RESOURCE_EXHAUSTED, retry_after=RETRY_AFTER_SECONDS)
+        if spec.adapter is not None:
+            check_adapter(self.adapters, spec.adapter, self.core.workers)
         tokens = sum(len(p.token_ids) for p in spec.prompts) * spec.sampling.n
         if self.pending_tokens + tokens > limits.max_pending_prompt_tokens:
             raise InvalidRequest("request", f"the requests waiting or running hold {self.pending_tokens} prompt "
@@ -154,9 +160,10 @@ class RequestPool:
         version, n = step.spec.policy_version, spec.sampling.n
         keys: list[str] = []
         for p in spec.prompts:
-            group = self._groups.get(p.token_ids)
+            gkey = (spec.adapter, p.token_ids)
+            group = self._groups.get(gkey)
             if group is None:
-                group = self._groups[p.token_ids] = _Group(f"g{next(self._ids)}")
+                group = self._groups[gkey] = _Group(f"g{next(self._ids)}")
             first = len(keys)
             for i in range(n):
                 index = group.next_sample
@@ -165,7 +172,7 @@ class RequestPool:
                 key = request_key(POOL, group.gid, index)
                 step.requests[key] = core.new_request(RequestSpec(
                     key, POOL, group.gid, index, p.token_ids, sample_sampling(spec.sampling, i, p.max_tokens),
-                    version, spec.use_drafts, n))
+                    version, spec.use_drafts, n, spec.adapter))
                 keys.append(key)
             self.pending_tokens += len(p.token_ids) * n
             if self.affinity is not None:
@@ -209,6 +216,19 @@ class RequestPool:
                     w.private = deque(k for k in w.private if k not in gone)
         self._close_if_empty()
         return actions
+
+    def unload_adapter(self, name: object) -> list[Action]:
+        """Stop serving LoRA adapter ``name`` (``AdapterTable.unload``'s checks): its requests
+        that have not started fail, naming ``model``; those running finish."""
+        adapter = self.adapters.unload(name)
+        step = self.step
+        if step is None:
+            return []
+        queued = [key for key, req in step.requests.items()
+                  if req.worker is None and req.spec.adapter is not None and req.spec.adapter[0] == adapter.name]
+        self.cancel(queued)
+        return [RequestFailed(key, "model", f"adapter '{adapter.name}' was unloaded before the request ran")
+                for key in queued]
 
     # ----------------------------------------------------------------- results --
 
@@ -302,9 +322,11 @@ class RequestPool:
         return None
 
     def worker_gone(self, worker_id: str) -> None:
-        """``worker_id`` left the cluster: what preferred it prefers nothing now."""
+        """``worker_id`` left the cluster: what preferred it prefers nothing now, and it holds no
+        LoRA adapter (an engine that comes back has none until the next load)."""
         if self.affinity is not None:
             self.affinity.worker_gone(worker_id)
+        self.adapters.left(worker_id)
 
     def place_with_siblings(self) -> list[Action]:
         """Queued requests whose group runs on a worker with room go there, ahead of the usual
@@ -431,11 +453,12 @@ class RequestPool:
         self.single_version.discard(key)
         if self.affinity is not None:
             self.affinity.dropped(key)
-        group = self._groups.get(req.spec.prompt_token_ids)
+        gkey = (req.spec.adapter, req.spec.prompt_token_ids)
+        group = self._groups.get(gkey)
         if group is not None and group.gid == req.spec.prompt_id:
             group.live -= 1
             if group.live <= 0:
-                del self._groups[req.spec.prompt_token_ids]
+                del self._groups[gkey]
                 self._where.pop(group.gid, None)
 
     def _close_if_empty(self) -> None:

@@ -31,6 +31,7 @@ from bubblespec.client.types import (
     SchedulingPolicy,
     StepSummary,
 )
+from bubblespec.scheduler.core.adapters import AdapterCommands
 from bubblespec.scheduler.core.balance import Balancer
 from bubblespec.scheduler.core.checks import check_completion
 from bubblespec.scheduler.core.drafting import DraftPlanner, draft_seed, job_sampling
@@ -243,7 +244,7 @@ class CoreSettings:
                 raise ValueError(f"{name}: must be a whole number >= 0, got {value!r:.40}")
 
 
-class SchedulerCore(CoreView):
+class SchedulerCore(CoreView, AdapterCommands):
     """The scheduling state machine: worker events in (``handle``), trainer calls in
     (``submit_step``, ``update_policy``, ``announce``, ``cancel_step``, ``pause``), periodic
     ``tick``; actions out (``core/types.py``). Owns every acceptance rule: whether a worker's
@@ -990,8 +991,9 @@ class SchedulerCore(CoreView):
         req = step.requests.get(key)
         if req is None or req.done or req.worker is not None:  # None: a pool request whose caller went away
             return False
-        if step.spec.policy_version != w.version or not _serves(w, step.spec.sampling):
-            step.shared.append(key)  # someone with the right version and logprobs will take it
+        if step.spec.policy_version != w.version or not _serves(w, step.spec.sampling) \
+                or (req.spec.adapter is not None and not self.pool.adapters.holds(w.hello.worker_id, req.spec.adapter)):
+            step.shared.append(key)  # someone with the right version, logprobs and adapter will take it
             return False
         if req.moved_from is None and not req.failures:
             return True  # the common case: never moved nor failed, so no worker to keep it from

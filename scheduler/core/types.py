@@ -138,6 +138,9 @@ class StepSpec:
     use_drafts: bool = True
     straggler_watch: bool = True
     fingerprint: str = ""
+    adapter: tuple[str, int] | None = None
+    """Pool calls: the LoRA adapter (name, version) its requests run with (``core/adapters.py``);
+    None: the base model."""
 
     @property
     def num_requests(self) -> int:
@@ -158,6 +161,8 @@ class RequestSpec:
     policy_version: int
     use_drafts: bool
     group_size: int
+    adapter: tuple[str, int] | None = None
+    """The LoRA adapter (name, version) it runs with (``core/adapters.py``); None: the base model."""
 
 
 @dataclass(frozen=True)

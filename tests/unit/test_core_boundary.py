@@ -24,6 +24,7 @@ PUBLIC = frozenset({
     "on_draft_result", "on_policy_loaded", "check_step", "submit_step", "check_requests", "submit_requests",
     "dispatch", "cancel_requests", "announce", "cancel_step", "update_policy",
     "tick", "pause", "resume", "restore_policy", "forget_history",
+    "adapters", "unload_adapter",  # LoRA adapters (core/adapters.py)
 })
 """What outside code may read of a ``SchedulerCore``."""
 

@@ -89,7 +89,8 @@ def test_sampling_defaults_and_refusals():
     assert (sp.max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.n, sp.seed) == (16, 1.0, 1.0, -1, 1, None)
     assert parse_sampling({"stop": "x", "top_k": 0}, "raw").stop == ("x",)
     assert parse_sampling({"logprobs": 5, "min_tokens": 3, "seed": -1}, "raw").logprobs == 5
-    for body, field in [({"logprobs": -1}, "logprobs"), ({"logprobs": True}, "logprobs"), ({"echo": True}, "echo"),
+    for body, field in [({"logprobs": -1}, "logprobs"), ({"logprobs": True}, "logprobs"),
+                        ({"prompt_logprobs": -2}, "prompt_logprobs"), ({"priority": "x"}, "priority"),
                         ({"best_of": 3}, "best_of"), ({"presence_penalty": 0.5}, "presence_penalty"),
                         ({"stop": 5}, "stop"), ({"stop_token_ids": 5}, "stop_token_ids")]:
         with pytest.raises(InvalidRequest) as e:

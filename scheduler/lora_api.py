@@ -1,0 +1,189 @@
+"""vLLM's LoRA routes on the scheduler's HTTP port, fanned out to every worker (docs/INTEGRATIONS.md,
+"LoRA adapters"; names, versions and holders: ``core/adapters.py``).
+
+- ``POST /v1/load_lora_adapter {lora_name, lora_path, load_inplace}`` loads the adapter on every
+  connected worker (``CONTROL_OP_LOAD_LORA_ADAPTER``) and answers as vLLM does: 200 with the
+  text ``Success: LoRA adapter '<name>' added successfully.``; vLLM's refusals (400: a field
+  missing, the base model's name, a loaded name without ``load_inplace``). Each load is a policy
+  update of that adapter: version 1 at its first load, +1 at each reload; while it loads, new
+  requests naming it wait (the base model's and other adapters' go on). A load that failed on
+  any worker is undone on the others, and the answer names each worker that failed and says
+  the new version is served nowhere (404 naming ``lora_path`` where every worker found no
+  adapter at the path, as vLLM's ``LoRAAdapterNotFoundError``; else 500): the adapter stays as
+  it was.
+- ``POST /v1/unload_lora_adapter {lora_name}``: 200 ``Success: LoRA adapter '<name>' removed
+  successfully.``; 404 for a name not loaded. Queued requests naming it fail; running ones finish.
+- ``/v1/models`` lists each adapter as vLLM does (``parent``: the base model, ``root``: its path);
+  a completion, chat or generate call whose ``model`` names an adapter runs with its current
+  version, and the answer carries that version in the ``X-BubbleSpec-Adapter-Version`` header
+  (``Completion.adapter_version`` on the gRPC side; ``policy_version`` stays the base model's).
+
+Unlike ``vllm serve``, the routes need no ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``: runtime loads are
+what a trainer's PEFT run does (without the variable vLLM does not register them: 404). Workers
+started without ``--enable-lora`` fail a load, named. ``is_3d_lora_weight`` is refused by name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import weakref
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from fastapi import APIRouter, Request, Response
+
+from bubblespec.api.v1 import rollout_pb2 as pb
+from bubblespec.scheduler.control import ControlAnswer
+from bubblespec.scheduler.core.adapters import AdapterTable
+from bubblespec.scheduler.core.types import ErrorCode, InvalidRequest, StepSpec
+from bubblespec.scheduler.openai_api import STATUS, read_json, unauthorized
+from bubblespec.scheduler.openai_api import error as openai_error
+
+if TYPE_CHECKING:
+    from bubblespec.scheduler.app import SchedulerApp
+
+__all__ = ["ADAPTER_VERSION_HEADER", "adapter_cards", "adapter_for", "create_router", "with_adapter"]
+
+logger = logging.getLogger(__name__)
+ADAPTER_VERSION_HEADER = "X-BubbleSpec-Adapter-Version"
+_FIELDS = ("lora_name", "lora_path", "load_inplace", "is_3d_lora_weight")
+
+
+class _Loads:
+    """One service's per-name locks (vLLM's ``lora_resolver_lock``) and load barriers."""
+
+    def __init__(self) -> None:
+        self.locks: dict[str, asyncio.Lock] = {}
+        self.done: dict[str, asyncio.Event] = {}
+        """Loads in progress by name: set when that load ends (either way)."""
+
+
+_loads: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # service -> its _Loads
+
+
+def _state(scheduler: SchedulerApp) -> _Loads:
+    return _loads.setdefault(scheduler.service, _Loads())
+
+
+def _table(scheduler: SchedulerApp) -> AdapterTable:
+    return scheduler.service.core.adapters
+
+
+async def adapter_for(scheduler: SchedulerApp, model: str) -> tuple[str, int] | None:
+    """(name, version) of the adapter ``model`` names, after any load of it in progress
+    (the adapter's barrier); None where no adapter has that name."""
+    done = _state(scheduler).done.get(model)
+    if done is not None:
+        await done.wait()
+    return _table(scheduler).resolve(model)
+
+
+def with_adapter(spec: StepSpec, adapter: tuple[str, int]) -> StepSpec:
+    """``spec``'s requests, run with ``adapter`` (name, version)."""
+    return replace(spec, adapter=adapter)
+
+
+def adapter_cards(scheduler: SchedulerApp, created: int) -> list[dict]:
+    """``/v1/models`` entries of the served adapters, as vLLM's ``show_available_models``."""
+    base = scheduler.settings.model_name()
+    return [{"id": a.name, "object": "model", "created": created, "owned_by": "vllm", "root": a.path,
+             "parent": base, "max_model_len": None} for a in _table(scheduler).served.values()]
+
+
+def _failed(call: str, name: str, version: int, answers: dict[str, ControlAnswer]) -> InvalidRequest:
+    failed = {wid: a.error for wid, a in sorted(answers.items()) if not a.ok}
+    reasons = "; ".join(f"worker {wid}: {why}" for wid, why in failed.items())
+    message = (f"{call} of adapter '{name}' failed on {len(failed)} of {len(answers)} worker(s): {reasons}. "
+               f"Its version {version} is served on no worker")
+    if all((why or "").startswith("lora_path:") or "No adapter found" in (why or "") for why in failed.values()):
+        return InvalidRequest("lora_path", message, ErrorCode.NOT_FOUND)
+    return InvalidRequest("workers", message, ErrorCode.INTERNAL)
+
+
+async def _load(scheduler: SchedulerApp, body: dict) -> str:
+    for key in body:
+        if key not in _FIELDS:
+            raise InvalidRequest(key, f"{key} is not a field of vLLM 0.32's /v1/load_lora_adapter "
+                                 f"({', '.join(_FIELDS)})")
+    if body.get("is_3d_lora_weight"):
+        raise InvalidRequest("is_3d_lora_weight", "3D (MoE) LoRA weights are not served")
+    inplace = body.get("load_inplace", False)
+    if not isinstance(inplace, bool):
+        raise InvalidRequest("load_inplace", f"must be a boolean, got {inplace!r:.40}")
+    service, table, state = scheduler.service, _table(scheduler), _state(scheduler)
+    name = body.get("lora_name")
+    lock = state.locks.setdefault(name if isinstance(name, str) else "", asyncio.Lock())
+    async with lock:
+        if isinstance(name, str) and name and scheduler.settings.serves_model(name):  # any name the base is served by
+            raise InvalidRequest("lora_name", f"The lora adapter '{name}' conflicts with a served base model.")
+        plan = table.begin_load(name, body.get("lora_path"), scheduler.settings.model_name(), inplace)
+        done = state.done[plan.name] = asyncio.Event()  # the adapter's new requests wait on it
+        try:
+            workers = sorted(service.links)
+            if not workers:
+                raise InvalidRequest("workers", "no worker is connected", ErrorCode.UNAVAILABLE)
+            args = {wid: {"lora_name": plan.name, "lora_path": plan.path, "version": plan.version,
+                          "lora_int_id": plan.int_id} for wid in workers}
+            timeout = scheduler.settings.weight_transfer_timeout_seconds
+            answers = await service.control.fan_out(pb.CONTROL_OP_LOAD_LORA_ADAPTER, args, timeout)
+            if not all(a.ok for a in answers.values()):
+                took = {wid: {"lora_name": plan.name, "version": plan.version} for wid, a in answers.items() if a.ok}
+                if took:  # undo: the new version is served nowhere
+                    undone = await service.control.fan_out(pb.CONTROL_OP_UNLOAD_LORA_ADAPTER, took, timeout)
+                    for wid, a in undone.items():
+                        if not a.ok:
+                            logger.error("worker %s: could not drop adapter %r version %d after a failed load: %s",
+                                         wid, plan.name, plan.version, a.error)
+                raise _failed("load_lora_adapter", plan.name, plan.version, answers)
+            table.finish_load(plan, set(answers))
+        except BaseException:
+            table.abandon_load(plan)
+            raise
+        finally:
+            state.done.pop(plan.name, None)
+            done.set()
+    logger.info("loaded LoRA adapter %r version %d from %r on %d worker(s)", plan.name, plan.version, plan.path,
+                len(workers))
+    return f"Success: LoRA adapter '{plan.name}' added successfully."
+
+
+async def _unload(scheduler: SchedulerApp, body: dict) -> str:
+    for key in body:
+        if key not in ("lora_name", "lora_int_id"):
+            raise InvalidRequest(key, f"{key} is not a field of vLLM 0.32's /v1/unload_lora_adapter "
+                                 "(lora_name, lora_int_id)")
+    service, state = scheduler.service, _state(scheduler)
+    name = body.get("lora_name")
+    async with state.locks.setdefault(name if isinstance(name, str) else "", asyncio.Lock()):
+        service.execute(service.core.unload_adapter(name))
+        args = {wid: {"lora_name": name, "version": None} for wid in service.links}
+        answers = await service.control.fan_out(pb.CONTROL_OP_UNLOAD_LORA_ADAPTER, args,
+                                                scheduler.settings.weight_transfer_timeout_seconds)
+    for wid, a in answers.items():  # it is served nowhere already: a worker that kept it only holds memory
+        if not a.ok:
+            logger.error("worker %s: could not drop adapter %r: %s", wid, name, a.error)
+    return f"Success: LoRA adapter '{name}' removed successfully."
+
+
+def create_router(scheduler: SchedulerApp) -> APIRouter:
+    router = APIRouter()
+
+    async def answer(request: Request, call) -> Response:
+        if (refusal := unauthorized(scheduler, request)) is not None:
+            return refusal
+        try:
+            body = await read_json(request, scheduler.settings.limits.max_request_bytes)
+            return Response(status_code=200, content=await call(scheduler, body))
+        except InvalidRequest as exc:
+            return openai_error(STATUS.get(exc.code, 400), str(exc), exc.field)
+
+    @router.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        return await answer(request, _load)
+
+    @router.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        return await answer(request, _unload)
+
+    return router
