@@ -20,7 +20,10 @@ from dataclasses import replace
 
 from bubblespec.bench.machine import SpeedProbe, reference_ms
 from bubblespec.bench.sim.attribution import format_tail
-from bubblespec.bench.sim.costs import PROFILES
+from bubblespec.bench.sim.costs import CONTEXT_FITS, PROFILES, CostProfile
+from bubblespec.bench.sim.reasoning import (REASONING_ACCEPTANCE, REASONING_LENGTHS, REASONING_REQUESTS,
+                                            REASONING_SAMPLES, REASONING_WORKLOAD)
+from bubblespec.bench.sim.report import closing_lines, sensitivity_lines
 from bubblespec.bench.sim.simulator import SimResult, SimSettings, simulate
 from bubblespec.bench.sim.workload import AcceptanceModel, LengthModel, Workload
 from bubblespec.scheduler.core.state import CoreSettings
@@ -42,24 +45,37 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", default="auto",
                    help=f"requests per step (prompts x samples); 'auto': {REQUESTS_PER_WORKER} per worker, at least "
                         f"{MIN_REQUESTS}, so that every worker count gets work for its slots")
-    p.add_argument("--samples", type=int, default=8, help="samples per prompt")
+    p.add_argument("--workload", choices=("short", "reasoning"), default="short",
+                   help="'short': median 400 tokens, cap 8,192, unsourced acceptance; 'reasoning': long reasoning "
+                        "rollouts and acceptance by draft source from published figures (bench/sim/reasoning.py): cap "
+                        "16,384, ~3%% truncated, 16 samples/prompt, own text / live siblings / future / looping text, "
+                        "and a profile with a context-aware fit charges each pass for its KV-cache reads")
+    p.add_argument("--samples", type=int, default=None, help="samples per prompt (short: 8, reasoning: 16)")
     p.add_argument("--steps", type=int, default=2, help="steps per run (step 1 on uses drafts from the one before)")
     p.add_argument("--policies", default="static,queue,queue+drafts,static+drafts",
                    help=f"comma-separated, of: {', '.join(POLICIES)} (the baseline {BASELINE!r} always runs)")
     p.add_argument("--profile", default="gpu-h100-7b", choices=sorted(PROFILES), help="engine cost model")
     p.add_argument("--capacity", type=int, default=256, help="requests per worker at once (max_num_seqs)")
-    p.add_argument("--median-tokens", type=float, default=400.0, help="median response length")
-    p.add_argument("--max-tokens", type=int, default=8192, help="response length cap")
-    p.add_argument("--prompt-sigma", type=float, default=0.7, help="log-space spread of prompt length scales")
-    p.add_argument("--sample-sigma", type=float, default=0.6,
+    p.add_argument("--median-tokens", type=float, default=None, help="median response length")
+    p.add_argument("--max-tokens", type=int, default=None, help="response length cap")
+    p.add_argument("--prompt-sigma", type=float, default=None, help="log-space spread of prompt length scales")
+    p.add_argument("--sample-sigma", type=float, default=None,
                    help="log-space spread of a sample (and a draft) around its prompt's scale")
-    p.add_argument("--accept-future", type=float, default=0.7, help="per-token acceptance of future drafts")
-    p.add_argument("--accept-history", type=float, default=AcceptanceModel.history,
+    p.add_argument("--accept-future", type=float, default=None, help="per-token acceptance of future drafts")
+    p.add_argument("--accept-history", type=float, default=None,
                    help="per-token acceptance of history drafts (an earlier sample of the prompt)")
-    p.add_argument("--accept-suffix", type=float, default=0.0,
+    p.add_argument("--loop-share", type=float, default=None,
+                   help="what-if: share of truncated responses whose last 3,000 tokens loop (own-text acceptance "
+                        "0.99, MiniMax-M1); with own-text drafts only (reasoning: default 0)")
+    p.add_argument("--context-blind", action="store_true",
+                   help="reasoning: keep the profile as named, without its context-aware fit")
+    p.add_argument("--sensitivity", action="store_true",
+                   help="reasoning: after the table, each acceptance constant at the low and high end of its sources, "
+                        "at the first worker count, for static and queue+drafts")
+    p.add_argument("--accept-suffix", type=float, default=None,
                    help="what-if: per-token acceptance of self-drafts from a request's own text past the end of its "
                         "draft; 0: off, as the workers' SuffixIndex is. Published for n-gram drafting on RL rollouts "
-                        "of Qwen3-8B: at least 0.51-0.60 (docs/SIMULATOR.md)")
+                        "of Qwen3-8B: at least 0.51-0.60 (docs/SIMULATOR.md); reasoning: Seer's own-text 0.41")
     p.add_argument("--draft-rule", choices=("paying", "fixed"), default="paying" if AcceptanceModel.paying else "fixed",
                    help="draft length: 'paying' drafts the j-th token while acceptance**j exceeds a draft token's cost "
                         "x the batch's tokens/s (off where it costs more than it saves, deep where a pass is "
@@ -140,6 +156,45 @@ def ceiling_lines(args, workload: Workload, acceptance: AcceptanceModel, workers
     return lines
 
 
+def resolve(args: argparse.Namespace) -> tuple[Workload, AcceptanceModel, CostProfile, str]:
+    """The workload, acceptance and profile ``args`` ask for (filling ``args.samples``), and a
+    line saying what was chosen. ``--workload short`` is today's defaults, to the bit."""
+    reasoning = args.workload == "reasoning"
+    lm = REASONING_LENGTHS if reasoning else LengthModel()
+    base = REASONING_ACCEPTANCE if reasoning else replace(AcceptanceModel(), future=0.7)
+
+    def pick(value: object, default: object) -> object:
+        return default if value is None else value
+
+    if args.samples is None:
+        args.samples = REASONING_SAMPLES if reasoning else 8
+    if args.samples < 1:
+        raise SystemExit("--samples must be >= 1")
+    workload = replace(REASONING_WORKLOAD if reasoning else Workload(), lengths=LengthModel(
+        median_tokens=pick(args.median_tokens, lm.median_tokens), max_tokens=pick(args.max_tokens, lm.max_tokens),
+        prompt_sigma=pick(args.prompt_sigma, lm.prompt_sigma), sample_sigma=pick(args.sample_sigma, lm.sample_sigma)))
+    try:
+        acceptance = replace(base, future=pick(args.accept_future, base.future),
+                             history=pick(args.accept_history, base.history), suffix=pick(args.accept_suffix, base.suffix),
+                             loop_share=pick(args.loop_share, base.loop_share), paying=args.draft_rule == "paying",
+                             max_draft_tokens=args.max_draft_tokens, token_budget=args.draft_token_budget,
+                             min_accept_prob=args.min_accept_prob)
+    except ValueError as e:
+        raise SystemExit(f"acceptance: {e}") from None
+    profile = PROFILES[args.profile]
+    note = f"workload {args.workload}"
+    if reasoning:
+        fit = CONTEXT_FITS.get(profile.name)
+        if fit is not None and not args.context_blind:
+            note += f"; profile {profile.name} charges context: its context-aware fit {fit.name} (bench/sim/costs.py)"
+            profile = fit
+        note += (f"; acceptance by source (bench/sim/reasoning.py): own text {acceptance.suffix}, siblings "
+                 f"{', '.join(f'{n}: {a}' for n, a in acceptance.siblings) or 'off'}, future {acceptance.future}, "
+                 f"history {acceptance.history}, looping {acceptance.loop_alpha} over {acceptance.loop_tokens} tokens "
+                 f"for {acceptance.loop_share:.0%} of the truncated")
+    return workload, acceptance, profile, note
+
+
 def _policy(name: str) -> tuple[str, bool]:
     if name not in POLICIES:
         raise SystemExit(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
@@ -147,15 +202,16 @@ def _policy(name: str) -> tuple[str, bool]:
     return base, extra == "drafts"
 
 
-def requests_for(workers: int, requests: str, samples: int) -> int:
-    """Requests per step for ``workers`` workers: ``requests``, or with 'auto' ``REQUESTS_PER_WORKER``
-    per worker and at least ``MIN_REQUESTS``, rounded up to a multiple of ``samples``."""
+def requests_for(workers: int, requests: str, samples: int, per_worker: int = REQUESTS_PER_WORKER,
+                 least: int = MIN_REQUESTS) -> int:
+    """Requests per step for ``workers`` workers: ``requests``, or with 'auto' ``per_worker``
+    per worker and at least ``least``, rounded up to a multiple of ``samples``."""
     if requests != "auto":
         try:
             return int(requests)
         except ValueError:
             raise SystemExit(f"--requests must be an integer or 'auto', got {requests!r}") from None
-    n = max(MIN_REQUESTS, REQUESTS_PER_WORKER * workers)
+    n = max(least, per_worker * workers)
     return -(-n // samples) * samples
 
 
@@ -188,13 +244,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = [n for n in args.policies.split(",") if n]
     names = [BASELINE] + [n for n in names if n != BASELINE]
     runs = [(n, *_policy(n)) for n in names]
-    profile = PROFILES[args.profile]
-    workload = Workload(lengths=LengthModel(median_tokens=args.median_tokens, max_tokens=args.max_tokens,
-                                            prompt_sigma=args.prompt_sigma, sample_sigma=args.sample_sigma))
-    acceptance = replace(AcceptanceModel(), future=args.accept_future, history=args.accept_history,
-                         suffix=args.accept_suffix, paying=args.draft_rule == "paying",
-                         max_draft_tokens=args.max_draft_tokens, token_budget=args.draft_token_budget,
-                         min_accept_prob=args.min_accept_prob)
+    workload, acceptance, profile, note = resolve(args)
+    sizes = REASONING_REQUESTS if args.workload == "reasoning" else (REQUESTS_PER_WORKER, MIN_REQUESTS)
+
+    def requests(w: int) -> int:
+        return requests_for(w, args.requests, args.samples, *sizes)
     settings = SimSettings(capacity=args.capacity, samples=args.samples, train_seconds=args.train_seconds,
                            tail_requests=max(0, args.tail),
                            core=CoreSettings(max_draft_jobs_beside_requests=args.draft_jobs_beside_requests,
@@ -208,7 +262,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"profile {profile.name} ({profile.source}); requests/step {args.requests}, {args.samples} samples/prompt, "
           f"capacity {args.capacity}, {args.steps} steps, seeds {args.seed}..{args.seed + max(1, args.seeds) - 1}; "
           f"machine reference {reference_ms():.0f} ms (bench/machine.py: lower is faster)", flush=True)
+    if args.workload != "short":
+        print(note, flush=True)
     rows = []
+    closing: list[tuple[int, list[SimResult]]] = []  # the baseline's runs per worker count
     tails: list[str] = []
     started = time.perf_counter()
     seeds = range(args.seed, args.seed + max(1, args.seeds))
@@ -218,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name, policy, drafting in runs:
                 results = []
                 for seed in seeds:
-                    r = simulate(policy, w, requests_for(w, args.requests, args.samples), args.steps, profile, drafting,
+                    r = simulate(policy, w, requests(w), args.steps, profile, drafting,
                                  seed, workload=workload, acceptance=acceptance, settings=settings)
                     results.append(r)
                     tails += [format_tail(f"{w} workers, {name}, seed {seed}, step {s.summary.step_id} (makespan "
@@ -229,9 +286,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                           file=sys.stderr, flush=True)
                 baselines = baselines or results
                 rows.append(_row(results, baselines))
+                if not closing or closing[-1][0] != w:
+                    closing.append((w, results))
     print(format_table(rows))
     for t in tails:
         print(t)
+    if args.workload != "short":
+        for line in closing_lines(closing, workload):
+            print(line)
+        if args.sensitivity:
+            for line in sensitivity_lines(workers[0], requests(workers[0]), args, workload, acceptance, profile, settings):
+                print(line, flush=True)
     if args.ceiling:
         for w in workers:
             print("\n".join(ceiling_lines(args, workload, acceptance, w)))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CPU_TINY", "GPU_H100_7B", "GPU_H100_7B_CONTEXT", "GPU_H100_7B_FLASH",
+__all__ = ["CONTEXT_FITS", "CPU_TINY", "GPU_H100_7B", "GPU_H100_7B_CONTEXT", "GPU_H100_7B_FLASH",
            "GPU_H100_7B_PUBLISHED", "PROFILES", "CostProfile"]
 
 
@@ -195,3 +195,9 @@ GPU_H100_7B_PUBLISHED = CostProfile(
 PROFILES: dict[str, CostProfile] = {p.name: p for p in (CPU_TINY, GPU_H100_7B, GPU_H100_7B_CONTEXT, GPU_H100_7B_FLASH,
                                                         GPU_H100_7B_PUBLISHED)}
 """Profiles by CLI name."""
+
+CONTEXT_FITS: dict[str, CostProfile] = {GPU_H100_7B.name: GPU_H100_7B_CONTEXT}
+"""Profiles that have a context-aware fit of the same measurements: the ``reasoning`` workload
+charges each pass for its context with it (at 16k-token contexts the KV-cache reads dominate a
+pass). Fitted there: the cost per context token and per draft token x context token, over the
+report's context sweep of 256-8,192 tokens; contexts up to 16,896 extrapolate the line."""

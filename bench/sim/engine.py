@@ -38,6 +38,8 @@ from bubblespec.scheduler.core.drafting import paying_draft_tokens
 __all__ = ["Member", "SimulatedEngine"]
 
 _EPS = 1e-9
+_LOOP_EPS = 1e-6
+"""A position this close below ``Member.loop_from`` counts as having reached it (a boundary's rounding)."""
 RECOST_SHARE = 0.05
 """Context-aware profiles: the seconds per pass are taken again once the batch's context grew by this share."""
 RECOST_MIN_PASSES = 16
@@ -91,6 +93,11 @@ class Member:
     """Simulated time it joined (makespan attribution)."""
     batch_at_start: int = 0
     """Batch size when it joined, itself included (makespan attribution)."""
+    best: bool = False
+    """Its drafted phases take the better of its draft's and its own text's acceptance (grouped drafts)."""
+    loop_from: float = math.inf
+    """Position from which its text loops (drafted from its own text at ``loop_alpha``); inf: never."""
+    loop_alpha: float = 0.0
     resumed: int = 0
     """Tokens it had generated on the worker it moved off (it joined at that position; their
     passes and drafts are in ``drafted`` / ``accepted`` from the start)."""
@@ -310,6 +317,30 @@ class SimulatedEngine:
                                                       drafted_sequences=self.drafting)
         return self.at + self.debt + passes * self.pass_seconds
 
+    def retune(self, now: float, m: Member, suffix_alpha: float) -> None:
+        """A running member's own-text acceptance changed (live siblings finished): its current
+        phase is re-planned at ``now`` if it drafts from its own text (or, with ``best``, from
+        the better of its draft and its own text). Call ``commit`` after."""
+        if now > self.at:
+            self.advance(now)
+        m.suffix_alpha = suffix_alpha
+        if not m.started or self.members.get(m.key) is not m:
+            return
+        pos = m.position(self.passes)
+        looping = pos >= m.loop_from - _LOOP_EPS
+        drafted = pos < m.draft_len and not looping
+        if looping or not (m.suffix_phase or (drafted and m.best)):
+            return
+        self._close_phase(m)
+        self.draft_tokens -= m.k
+        self.drafting -= m.k > 0
+        self.rate_sum -= m.rate
+        if m.k and self.context_aware:
+            self.kctx -= m.k * (m.prompt_tokens + pos)
+            self.krate -= m.k * m.rate
+        m.pos0, m.p0 = pos, self.passes
+        self._start_phase(m, drafts=True)
+
     # ------------------------------------------------------------- views --
 
     def tokens(self, key: str, now: float) -> int:
@@ -333,13 +364,17 @@ class SimulatedEngine:
         """Begin a phase at (m.p0, m.pos0): with drafts while one covers the position; past it,
         self-drafts when ``suffix_alpha`` is set (a what-if), else one token per pass."""
         k, alpha, m.suffix_phase = 0, m.alpha, False
-        if drafts and m.pos0 < m.draft_len:  # a job too (its prompt's stored draft); ``drafts`` False: it just ran out
+        looping = m.pos0 >= m.loop_from - _LOOP_EPS  # False unless a looping what-if set loop_from
+        # a job too (its prompt's stored draft); ``drafts`` False: it just ran out
+        if drafts and m.pos0 < m.draft_len and not looping:
             # only ``commit`` (and its ``_rerate``) start phases with drafts, after setting
             # ``self.cap`` to the cap of the batch as it is: batch_cap(len(self.members));
             # ``planned``: the k ``_rerate`` just took from the rule for this very phase
+            if m.best and m.suffix_alpha > alpha:
+                alpha = m.suffix_alpha
             k = self._rule(alpha, self.cap, self.threshold) if planned is None else planned
         elif m.suffix_alpha > 0 and not m.job:
-            alpha, m.suffix_phase = m.suffix_alpha, True
+            alpha, m.suffix_phase = (m.loop_alpha if looping else m.suffix_alpha), True
             k = self._rule(alpha, self.acceptance.batch_cap(len(self.members)), self.threshold)
         m.k = k
         if k > m.max_k:
@@ -355,6 +390,8 @@ class SimulatedEngine:
             boundary = m.length
         else:  # min(m.draft_len, m.length): the first of two equal ones, as min returns
             boundary = m.length if m.length < m.draft_len else m.draft_len
+        if boundary > m.loop_from and not looping:  # never with loop_from inf
+            boundary = m.loop_from
         left = boundary - m.pos0
         m.target = target = m.p0 + (left if left > 0.0 else 0.0) / rate  # max(0.0, left), inlined: a hot path
         m.gen += 1
@@ -386,9 +423,15 @@ class SimulatedEngine:
                 continue  # past its draft (its position is at least pos0), no self-drafts: k stays 0
             pos = m.pos0 + (passes - m.p0) * m.rate  # m.position(passes), inlined: once per member per re-plan
             pos = pos if pos < m.length else float(m.length)
-            drafted = pos < m.draft_len
+            loop_from = m.loop_from
+            drafted = pos < m.draft_len and pos < loop_from - _LOOP_EPS  # the second: always, unless a loop what-if
             if drafted or m.suffix_phase:
-                alpha = m.alpha if drafted else m.suffix_alpha
+                if drafted:
+                    alpha = m.alpha
+                    if m.best and m.suffix_alpha > alpha:
+                        alpha = m.suffix_alpha
+                else:
+                    alpha = m.loop_alpha if pos >= loop_from - _LOOP_EPS else m.suffix_alpha
                 if fast and 0.0 < alpha < 1.0:
                     if alpha <= threshold:
                         want = 0

@@ -25,7 +25,7 @@ import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
-from dataclasses import dataclass, field, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 
 from bubblespec.client.types import (
     Completion,
@@ -61,6 +61,7 @@ from bubblespec.scheduler.core.validate import Limits, build_step
 from bubblespec.bench.sim.attribution import TailLog, TailRequest
 from bubblespec.bench.sim.costs import CostProfile
 from bubblespec.bench.sim.engine import Member, SimulatedEngine
+from bubblespec.bench.sim.reasoning import loops
 from bubblespec.bench.sim.workload import AcceptanceModel, SimPrompt, TraceWorkload, Workload
 
 __all__ = ["SimResult", "SimSettings", "SimStalled", "StepStats", "simulate"]
@@ -92,8 +93,12 @@ class _Tokens(Sequence[int]):
 _new = object.__new__
 
 
-_UNUSED_COMPLETION_FIELDS = {"version_spans": (), "stop_reason": None, "top_logprobs": (), "prompt_logprobs": ()}
-"""``Completion`` fields a simulated completion leaves at their defaults."""
+_SET_COMPLETION_FIELDS = ("step_id", "prompt_id", "sample_index", "token_ids", "logprobs", "text", "finish_reason",
+                          "policy_version", "worker_id", "prompt_tokens", "provenance")
+_UNUSED_COMPLETION_FIELDS = {f.name: f.default for f in fields(Completion) if f.name not in _SET_COMPLETION_FIELDS}
+"""``Completion`` fields a simulated completion leaves at their defaults (every field it does not set)."""
+if any(v is MISSING for v in _UNUSED_COMPLETION_FIELDS.values()):
+    raise RuntimeError(f"Completion fields without a plain default: {_UNUSED_COMPLETION_FIELDS}")
 
 
 def _frozen(cls: type, fields: dict[str, object]) -> Any:
@@ -171,6 +176,11 @@ class StepStats:
     """Real seconds the simulator spent on the step."""
     tail: tuple[TailRequest, ...] = ()
     """The step's last requests, the very last first (``SimSettings.tail_requests`` of them)."""
+    tail_share: float = 0.0
+    """Share of the step's makespan after 90% of its requests were delivered: the time its last
+    tenth of requests takes (Seer's tail measure)."""
+    truncated: int = 0
+    """Requests delivered with finish reason ``length`` (they reached ``max_tokens``)."""
 
     @property
     def makespan_seconds(self) -> float:
@@ -303,6 +313,17 @@ class _StepLog:
     summary: StepSummary | None = None
     started: float = 0.0
     tail: TailLog = field(default_factory=lambda: TailLog(0))
+    finished_at: list[float] = field(default_factory=list)
+    """Simulated time of each first delivery."""
+    truncated: int = 0
+
+    def tail_share(self, end: float) -> float:
+        """Share of [started, end] after 90% of the requests were delivered."""
+        times, span = sorted(self.finished_at), end - self.started
+        n90 = max(1, math.ceil(0.9 * self.requests))
+        if len(times) < n90 or span <= 0:
+            return 0.0
+        return (end - times[n90 - 1]) / span
 
 
 class _Simulation:
@@ -324,6 +345,10 @@ class _Simulation:
         self.future: dict[tuple[int, ...], int] = {}  # prompt -> longest future draft
         self.history: dict[tuple[int, ...], int] = {}  # prompt -> longest finished sample
         self.draft_jobs: dict[tuple[int, ...], int] = {}  # prompt -> draft jobs started
+        # live siblings (``AcceptanceModel.siblings``): prompt -> its running requests' members and workers
+        self.groups: dict[tuple[int, ...], list[tuple[str, Member]]] = {}
+        self.group_done: dict[tuple[int, ...], int] = {}  # prompt -> samples finished
+        self.sibling_rows = {n for n, _ in acceptance.siblings}
         self.wheel: dict[int, list[tuple[str, Member]]] = {}  # tick number -> progress reports due
         self.tick_no = 0
         self.progress_ticks = max(1, math.ceil(settings.progress_seconds / settings.tick_seconds))  # between reports
@@ -335,6 +360,7 @@ class _Simulation:
         self.batches: dict[int, list[SimPrompt]] = {}
         self.current: dict[str, SimPrompt] = {}
         self.upcoming: dict[tuple[int, ...], SimPrompt] = {}
+        self.by_ids: dict[tuple[int, ...], SimPrompt] = {}
         self.draft_lengths: dict[tuple[int, ...], list[int | None]] = {}  # upcoming prompt -> its draft lengths
         self.log: _StepLog | None = None
         for i in range(workers):
@@ -366,6 +392,8 @@ class _Simulation:
         started = time.perf_counter()
         prompts, ahead = self._batch(s), self._batch(s + 1)
         self.current = {p.prompt_id: p for p in prompts}
+        self.by_ids = {p.token_ids: p for p in prompts}
+        self.groups, self.group_done = {}, {}
         self.upcoming = {p.token_ids: p for p in ahead}
         self.draft_lengths = {}
         watch = self.settings.straggler_watch
@@ -387,7 +415,7 @@ class _Simulation:
         assert log.summary is not None
         return StepStats(log.summary, log.requests, len(log.delivered), log.duplicates, log.with_future,
                          log.with_history, log.draft_jobs, len(log.drafters), time.perf_counter() - started,
-                         log.tail.requests())
+                         log.tail.requests(), log.tail_share(log.started + log.summary.makespan_seconds), log.truncated)
 
     def train(self, seconds: float) -> None:
         """Let ``seconds`` of simulated time pass with no step running (reward + training)."""
@@ -500,9 +528,25 @@ class _Simulation:
                 req = m.payload
                 if self.settings.history_drafts:
                     self.history[req.prompt_token_ids] = max(self.history.get(req.prompt_token_ids, 0), m.length)  # type: ignore[attr-defined]
+                if m.best:
+                    self._sibling_finished(req.prompt_token_ids)  # type: ignore[attr-defined]
                 if self.log is not None and self.log.tail.size:
                     self._attribute(wid, m, eng)
                 execute(core.on_completion(wid, m.key, self._completion(wid, m, eng.passes)))
+
+    def _sibling_finished(self, prompt: tuple[int, ...]) -> None:
+        """One more sample of ``prompt`` finished: where that reaches a row of the siblings
+        table, its running siblings draft from their own text at the row's acceptance."""
+        done = self.group_done[prompt] = self.group_done.get(prompt, 0) + 1
+        if done not in self.sibling_rows:
+            return
+        mean = self.acceptance.own_text_mean(done)
+        p = self.by_ids.get(prompt)
+        for wid, sm in self.groups.get(prompt, ()):
+            eng = self.engines[wid]
+            if p is not None and eng.members.get(sm.key) is sm:
+                eng.retune(self.now, sm, self.acceptance.spread_alpha(mean, p.accept_z[sm.payload.sample_index]))  # type: ignore[attr-defined]
+                self.dirty[wid] = None
 
     def _attribute(self, wid: str, m: Member, eng: SimulatedEngine) -> None:
         """Record a finished request for makespan attribution (``SimSettings.tail_requests``)."""
@@ -620,7 +664,17 @@ class _Simulation:
             if before.sources and not m.source:
                 m.source = before.sources[0].source
         if self.drafting and req.use_drafts and self.acceptance.suffix > 0:
-            m.suffix_alpha = self.acceptance.alpha("suffix", p.accept_z[req.sample_index])
+            acc = self.acceptance
+            if acc.siblings:  # grouped drafts: own text plus the siblings finished so far
+                m.best = True
+                m.suffix_alpha = acc.spread_alpha(acc.own_text_mean(self.group_done.get(p.token_ids, 0)),
+                                                  p.accept_z[req.sample_index])
+                self.groups.setdefault(p.token_ids, []).append((a.worker_id, m))
+            else:
+                m.suffix_alpha = acc.alpha("suffix", p.accept_z[req.sample_index])
+            if acc.loop_share > 0 and m.length >= req.sampling.max_tokens and loops(
+                    int(p.prompt_id[1:]), req.sample_index, acc.loop_share):
+                m.loop_from, m.loop_alpha = float(max(0, m.length - acc.loop_tokens)), acc.loop_alpha
         eng = self.engines[a.worker_id]
         eng.add(self.now, m)
         m.batch_at_start = len(eng.members)
@@ -682,3 +736,5 @@ class _Simulation:
             log.duplicates += 1
         else:
             log.delivered.add(key)
+            log.finished_at.append(self.now)
+            log.truncated += c.finish_reason is FinishReason.LENGTH

@@ -86,7 +86,22 @@ class AcceptanceModel:
     tokens/s, so drafting turns itself off where it costs more than it saves and goes deep
     where a pass is memory-bound. Off: the fixed ``min_accept_prob`` rule."""
 
+    siblings: tuple[tuple[int, float], ...] = ()
+    """Live siblings (grouped drafts): ``(n, alpha)`` rows, n ascending; once n of a request's
+    group have finished, its own-text acceptance (``suffix``) becomes that row's alpha (with
+    its spread). Empty: off (own text only)."""
+    loop_share: float = 0.0
+    """What-if: the share of truncated responses whose last ``loop_tokens`` tokens loop."""
+    loop_alpha: float = 0.99
+    """Per-token acceptance of own-text drafts over text that loops (near-certain tokens)."""
+    loop_tokens: int = 3000
+    """Tokens a looping response loops for before the cap."""
+
     def __post_init__(self) -> None:
+        if any(n < 1 or not 0 <= a < 1 for n, a in self.siblings) or list(self.siblings) != sorted(self.siblings):
+            raise ValueError(f"siblings must be (n >= 1, alpha in [0, 1)) rows, n ascending, got {self.siblings}")
+        if not 0 <= self.loop_share <= 1 or not 0 < self.loop_alpha < 1 or self.loop_tokens < 0:
+            raise ValueError("loop_share must be in [0, 1], loop_alpha in (0, 1), loop_tokens >= 0")
         for name in ("future", "history", "suffix"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
@@ -96,6 +111,21 @@ class AcceptanceModel:
     def alpha(self, source: str, z: float) -> float:
         """Per-token acceptance of one request's drafts from ``source``; ``z ~ N(0, 1)``."""
         mean = getattr(self, source)
+        if mean <= 0:
+            return 0.0
+        logit = math.log(mean / (1 - mean)) + self.spread * z
+        return min(0.99, 1 / (1 + math.exp(-logit)))
+
+    def own_text_mean(self, finished_siblings: int) -> float:
+        """Mean own-text acceptance once ``finished_siblings`` of the group have finished."""
+        mean = self.suffix
+        for n, a in self.siblings:
+            if finished_siblings >= n:
+                mean = max(mean, a)
+        return mean
+
+    def spread_alpha(self, mean: float, z: float) -> float:
+        """``alpha``'s spread around an explicit ``mean``."""
         if mean <= 0:
             return 0.0
         logit = math.log(mean / (1 - mean)) + self.spread * z
