@@ -131,3 +131,18 @@ def test_sleep_is_refused_while_an_update_loads_and_bad_levels_and_tags_are_name
     with pytest.raises(InvalidRequest, match="tags"):
         check_tags(["weights", "gpu"])
     assert check_tags([]) is None and check_tags(["kv_cache"]) == ["kv_cache"]
+
+
+def test_the_deadline_is_a_scheduler_flag_with_its_environment_variable(monkeypatch):
+    from bubblespec.cli.commands import _scheduler_settings
+    from bubblespec.cli.main import build_parser
+
+    monkeypatch.setenv("BUBBLESPEC_WEIGHT_UPDATE_DEADLINE_SECONDS", "45")
+    a = build_parser().parse_args(["scheduler"])
+    assert _scheduler_settings(a).weight_update_deadline_seconds == 45.0
+    a = build_parser().parse_args(["scheduler", "--weight-update-deadline-seconds", "7.5"])
+    assert _scheduler_settings(a).weight_update_deadline_seconds == 7.5
+    monkeypatch.delenv("BUBBLESPEC_WEIGHT_UPDATE_DEADLINE_SECONDS")
+    assert _scheduler_settings(build_parser().parse_args(["scheduler"])).weight_update_deadline_seconds == 600.0
+    with pytest.raises(SystemExit, match="weight_update_deadline_seconds"):
+        _scheduler_settings(build_parser().parse_args(["scheduler", "--weight-update-deadline-seconds", "0"]))
