@@ -27,68 +27,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import weakref
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request, Response
 
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.scheduler.control import ControlAnswer
-from bubblespec.scheduler.core.adapters import AdapterTable
-from bubblespec.scheduler.core.types import ErrorCode, InvalidRequest, StepSpec
+from bubblespec.scheduler.core.types import ErrorCode, InvalidRequest
+from bubblespec.scheduler.lora_models import loads_of
 from bubblespec.scheduler.openai_api import STATUS, read_json, unauthorized
 from bubblespec.scheduler.openai_api import error as openai_error
 
 if TYPE_CHECKING:
     from bubblespec.scheduler.app import SchedulerApp
 
-__all__ = ["ADAPTER_VERSION_HEADER", "adapter_cards", "adapter_for", "create_router", "with_adapter"]
+__all__ = ["create_router"]
 
 logger = logging.getLogger(__name__)
-ADAPTER_VERSION_HEADER = "X-BubbleSpec-Adapter-Version"
 _FIELDS = ("lora_name", "lora_path", "load_inplace", "is_3d_lora_weight")
-
-
-class _Loads:
-    """One service's per-name locks (vLLM's ``lora_resolver_lock``) and load barriers."""
-
-    def __init__(self) -> None:
-        self.locks: dict[str, asyncio.Lock] = {}
-        self.done: dict[str, asyncio.Event] = {}
-        """Loads in progress by name: set when that load ends (either way)."""
-
-
-_loads: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # service -> its _Loads
-
-
-def _state(scheduler: SchedulerApp) -> _Loads:
-    return _loads.setdefault(scheduler.service, _Loads())
-
-
-def _table(scheduler: SchedulerApp) -> AdapterTable:
-    return scheduler.service.core.adapters
-
-
-async def adapter_for(scheduler: SchedulerApp, model: str) -> tuple[str, int] | None:
-    """(name, version) of the adapter ``model`` names, after any load of it in progress
-    (the adapter's barrier); None where no adapter has that name."""
-    done = _state(scheduler).done.get(model)
-    if done is not None:
-        await done.wait()
-    return _table(scheduler).resolve(model)
-
-
-def with_adapter(spec: StepSpec, adapter: tuple[str, int]) -> StepSpec:
-    """``spec``'s requests, run with ``adapter`` (name, version)."""
-    return replace(spec, adapter=adapter)
-
-
-def adapter_cards(scheduler: SchedulerApp, created: int) -> list[dict]:
-    """``/v1/models`` entries of the served adapters, as vLLM's ``show_available_models``."""
-    base = scheduler.settings.model_name()
-    return [{"id": a.name, "object": "model", "created": created, "owned_by": "vllm", "root": a.path,
-             "parent": base, "max_model_len": None} for a in _table(scheduler).served.values()]
 
 
 def _failed(call: str, name: str, version: int, answers: dict[str, ControlAnswer]) -> InvalidRequest:
@@ -111,7 +67,9 @@ async def _load(scheduler: SchedulerApp, body: dict) -> str:
     inplace = body.get("load_inplace", False)
     if not isinstance(inplace, bool):
         raise InvalidRequest("load_inplace", f"must be a boolean, got {inplace!r:.40}")
-    service, table, state = scheduler.service, _table(scheduler), _state(scheduler)
+    service = scheduler.service
+    table = service.core.adapters
+    state = loads_of(table)
     name = body.get("lora_name")
     lock = state.locks.setdefault(name if isinstance(name, str) else "", asyncio.Lock())
     async with lock:
@@ -153,7 +111,8 @@ async def _unload(scheduler: SchedulerApp, body: dict) -> str:
         if key not in ("lora_name", "lora_int_id"):
             raise InvalidRequest(key, f"{key} is not a field of vLLM 0.32's /v1/unload_lora_adapter "
                                  "(lora_name, lora_int_id)")
-    service, state = scheduler.service, _state(scheduler)
+    service = scheduler.service
+    state = loads_of(service.core.adapters)
     name = body.get("lora_name")
     async with state.locks.setdefault(name if isinstance(name, str) else "", asyncio.Lock()):
         service.execute(service.core.unload_adapter(name))

@@ -244,6 +244,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = [n for n in args.policies.split(",") if n]
     names = [BASELINE] + [n for n in names if n != BASELINE]
     runs = [(n, *_policy(n)) for n in names]
+    if args.ceiling and args.workload != "short":
+        raise SystemExit("--ceiling bounds the short workload's draft sources only (no live siblings, looping text or "
+                         "context costs): run it with --workload short")
     workload, acceptance, profile, note = resolve(args)
     sizes = REASONING_REQUESTS if args.workload == "reasoning" else (REQUESTS_PER_WORKER, MIN_REQUESTS)
 

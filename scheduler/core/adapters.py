@@ -25,12 +25,9 @@ from __future__ import annotations
 import itertools
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 from bubblespec.scheduler.core.types import Action, ErrorCode, InvalidRequest
-
-if TYPE_CHECKING:
-    from bubblespec.scheduler.core.pool import RequestPool
 
 __all__ = ["MAX_NAME_CHARS", "Adapter", "AdapterCommands", "AdapterTable", "LoadPlan", "check_adapter"]
 
@@ -174,7 +171,7 @@ class AdapterCommands:
     """The core's public LoRA API (``SchedulerCore`` inherits it): the table the shell's load
     and unload routes drive (``scheduler/lora_api.py``), and the unload that fails queued requests."""
 
-    pool: RequestPool
+    pool: Any  # the core's RequestPool (core/pool.py, which imports this module)
 
     @property
     def adapters(self) -> AdapterTable:

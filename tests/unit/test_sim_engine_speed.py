@@ -101,7 +101,8 @@ def test_frozen_builds_the_constructors_object():
     prov = Provenance(12, (SourceStats("future", 30, 18),))
     fields = dict(step_id="s1", prompt_id="p3", sample_index=2, token_ids=(1, 2, 3), logprobs=(), text="",
                   finish_reason=FinishReason.STOP, policy_version=4, worker_id="w7", prompt_tokens=512, provenance=prov,
-                  version_spans=((0, 3), (2, 4)), stop_reason=None, top_logprobs=(), prompt_logprobs=())
+                  version_spans=((0, 3), (2, 4)), stop_reason=None, top_logprobs=(), prompt_logprobs=(),
+                  adapter="math", adapter_version=2)
     built = _frozen(Completion, fields)
     assert built == Completion(**fields)
     assert built.__dict__ == Completion(**fields).__dict__

@@ -111,6 +111,8 @@ def test_short_workload_resolves_to_the_old_defaults_and_reasoning_to_the_contex
     assert profile is GPU_H100_7B
     with pytest.raises(SystemExit, match="loop_share"):
         resolve(_parser().parse_args(["--workload", "reasoning", "--loop-share", "2"]))
+    with pytest.raises(SystemExit, match="--ceiling bounds the short workload"):
+        main(["--workload", "reasoning", "--ceiling", "0"])
 
 
 def test_sensitivity_rows_name_their_source_and_change_one_constant() -> None:
