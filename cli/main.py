@@ -125,10 +125,6 @@ def _engine_flags(p: argparse.ArgumentParser, speculative_tokens: int = 8, draft
          "(docs/INTEGRATIONS.md; CPU engines then run without torch.compile)")
     _add(p, "max-lora-rank", 16, "with --enable-lora: the largest adapter rank loaded (vLLM's max_lora_rank)")
     _add(p, "max-loras", 4, "with --enable-lora: adapter versions one batch may use at once (vLLM's max_loras)")
-    _add(p, "enable-lora", False, "start the engine with LoRA support, for the scheduler's /v1/load_lora_adapter "
-         "(docs/INTEGRATIONS.md; CPU engines then run without torch.compile)")
-    _add(p, "max-lora-rank", 16, "with --enable-lora: the largest adapter rank loaded (vLLM's max_lora_rank)")
-    _add(p, "max-loras", 4, "with --enable-lora: adapter versions one batch may use at once (vLLM's max_loras)")
     _add(p, "unsafe-skip-self-checks", False, "UNSAFE: skip the start-up self-checks (drafts, CPU sampler fix, "
          "weight reload) that run before a worker joins the scheduler")
     _transfer_flag(p)

@@ -45,9 +45,6 @@ def create_app(scheduler: SchedulerApp) -> FastAPI:
     from bubblespec.scheduler.lora_api import create_router as create_lora_router
 
     app.include_router(create_lora_router(scheduler))  # /v1/load_lora_adapter, /v1/unload_lora_adapter
-    from bubblespec.scheduler.lora_api import create_router as create_lora_router
-
-    app.include_router(create_lora_router(scheduler))  # /v1/load_lora_adapter, /v1/unload_lora_adapter
     from bubblespec.scheduler.sleep_api import create_router as create_sleep_router
 
     app.include_router(create_sleep_router(scheduler))  # /sleep, /wake_up, /is_sleeping

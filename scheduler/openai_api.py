@@ -368,7 +368,7 @@ def create_router(scheduler: SchedulerApp, chat: type[_Completions] | None = Non
         card = {"id": scheduler.settings.model_name(), "object": "model", "created": int(time.time()),
                 "owned_by": "bubblespec", "root": scheduler.settings.tokenizer or None, "parent": None,
                 "max_model_len": None if limits is None else limits.max_model_len}
-        from bubblespec.scheduler.lora_api import adapter_cards
+        from bubblespec.scheduler.lora_models import adapter_cards
 
         return JSONResponse({"object": "list", "data": [card, *adapter_cards(scheduler, card["created"])]})
 
@@ -401,7 +401,7 @@ async def _serve(scheduler: SchedulerApp, request: Request, kind: type[_Completi
         rename = call.rename
         headers = None
         if body.get("model") and not scheduler.settings.serves_model(body["model"]):  # vLLM: no model = the served one
-            from bubblespec.scheduler import lora_api
+            from bubblespec.scheduler import lora_models as lora_api
 
             if not isinstance(body["model"], str) or (adapter := await lora_api.adapter_for(scheduler, body["model"])) is None:
                 return error(404, f"The model `{body.get('model')}` does not exist.", "model")

@@ -25,9 +25,6 @@ from bubblespec.worker.lifeline import STARTER, Lifeline
 from bubblespec.worker.lora import LOAD_OP as LORA_LOAD_OP
 from bubblespec.worker.lora import UNLOAD_OP as LORA_UNLOAD_OP
 from bubblespec.worker.lora import LoraAdapters
-from bubblespec.worker.lora import LOAD_OP as LORA_LOAD_OP
-from bubblespec.worker.lora import UNLOAD_OP as LORA_UNLOAD_OP
-from bubblespec.worker.lora import LoraAdapters
 
 __all__ = ["CONTROL_OPS", "Engine", "EngineInfo", "EngineOutput", "EngineRequest", "EngineSettings", "GenerationFailed",
            "PrefillCounts", "VllmEngine"]
