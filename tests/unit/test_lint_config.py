@@ -1,5 +1,6 @@
 """CI lints and type-checks: .ci/run calls scripts/lint.sh between set-up and the tests, the tools
-come from the dev extra that scripts/setup.sh installs, and mypy checks the client and the core."""
+come from the dev extra that scripts/setup.sh installs, and mypy checks the client, the core, the
+store and telemetry."""
 
 import fnmatch
 import re
@@ -35,7 +36,7 @@ def test_lint_tools_are_pinned_in_the_dev_extra_that_setup_installs():
     assert re.search(r"import [^\"]*\bruff\b[^\"]*\bmypy\b", setup), "setup.sh does not reinstall when they are missing"
 
 
-def test_mypy_checks_the_client_and_the_core_folders():
+def test_mypy_checks_the_client_core_store_and_telemetry_folders():
     packages = CONFIG["tool"]["mypy"]["packages"]
     package_dir = CONFIG["tool"]["setuptools"]["package-dir"]
 
@@ -47,7 +48,7 @@ def test_mypy_checks_the_client_and_the_core_folders():
         raise AssertionError(f"{package} is not under any package-dir entry")
 
     folders = {folder(p).relative_to(ROOT).as_posix() for p in packages}
-    assert {"client", "scheduler/core"} <= folders
+    assert {"client", "scheduler/core", "store", "telemetry"} <= folders
     assert all((ROOT / f / "__init__.py").is_file() for f in folders)
 
 
