@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CONTEXT_FITS", "CPU_TINY", "GPU_H100_7B", "GPU_H100_7B_CONTEXT", "GPU_H100_7B_FLASH",
+__all__ = ["CONTEXT_FITS", "CPU_TINY", "GPU_H100_7B", "GPU_H100_7B_CONTEXT", "GPU_H100_7B_FLASH", "GPU_H100_7B_GQA",
            "GPU_H100_7B_PUBLISHED", "PROFILES", "CostProfile"]
 
 
@@ -174,6 +174,26 @@ GPU_H100_7B_CONTEXT = CostProfile(
            "CUDA graphs, 256- to 8,192-token contexts, fitted with the context (bench/measurements/h100-llama7b-mha.json)",
 )
 
+QWEN25_7B_KV_SHARE = (28 * 4 * 128) / (32 * 32 * 128)
+"""KV-cache bytes per token of a grouped-query 7B (Qwen2.5-7B's config: 28 layers, 4 KV heads of 128)
+over the measured Llama-2-7B shape's (32 layers, 32 KV heads of 128): 0.109."""
+
+GPU_H100_7B_GQA = CostProfile(
+    name="gpu-h100-7b-gqa",
+    # Derived, not measured: gpu-h100-7b-context with its cost per context token (the KV-cache read)
+    # scaled by QWEN25_7B_KV_SHARE, for a grouped-query 7B whose cache is a ninth of the measured
+    # shape's. Every other constant is the measured fit's, the cost per draft token x context token
+    # included (kept whole: attention's work per query position does not shrink with fewer KV heads).
+    base_seconds=GPU_H100_7B_CONTEXT.base_seconds,
+    per_seq_seconds=GPU_H100_7B_CONTEXT.per_seq_seconds,
+    per_draft_token_seconds=GPU_H100_7B_CONTEXT.per_draft_token_seconds,
+    prefill_per_token_seconds=GPU_H100_7B_CONTEXT.prefill_per_token_seconds,
+    per_context_token_seconds=GPU_H100_7B_CONTEXT.per_context_token_seconds * QWEN25_7B_KV_SHARE,
+    per_draft_context_token_seconds=GPU_H100_7B_CONTEXT.per_draft_context_token_seconds,
+    source="derived from gpu-h100-7b-context (bench/measurements/h100-llama7b-mha.json): the KV-read cost per context "
+           "token x 0.109, Qwen2.5-7B's KV bytes per token over Llama-2-7B's; not measured",
+)
+
 GPU_H100_7B_PUBLISHED = CostProfile(
     name="gpu-h100-7b-published",
     # The gpu-h100-7b profile until 2026-11-24, kept to compare: results under it and under the
@@ -193,7 +213,7 @@ GPU_H100_7B_PUBLISHED = CostProfile(
 )
 
 PROFILES: dict[str, CostProfile] = {p.name: p for p in (CPU_TINY, GPU_H100_7B, GPU_H100_7B_CONTEXT, GPU_H100_7B_FLASH,
-                                                        GPU_H100_7B_PUBLISHED)}
+                                                        GPU_H100_7B_GQA, GPU_H100_7B_PUBLISHED)}
 """Profiles by CLI name."""
 
 CONTEXT_FITS: dict[str, CostProfile] = {GPU_H100_7B.name: GPU_H100_7B_CONTEXT}

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from bubblespec.bench.sim.__main__ import _parser, main, resolve
-from bubblespec.bench.sim.costs import CONTEXT_FITS, GPU_H100_7B, GPU_H100_7B_CONTEXT, CostProfile
+from bubblespec.bench.sim.costs import CONTEXT_FITS, GPU_H100_7B, GPU_H100_7B_CONTEXT, GPU_H100_7B_GQA, CostProfile
 from bubblespec.bench.sim.engine import Member, SimulatedEngine
 from bubblespec.bench.sim.reasoning import (REASONING_ACCEPTANCE, REASONING_LENGTHS, REASONING_SAMPLES,
                                             REASONING_WORKLOAD, SEER_ONE_PATH, SENSITIVITY, alpha_for_tau, shape)
@@ -127,3 +127,12 @@ def test_reasoning_comparison_prints_the_tail_share(capsys) -> None:
     out = capsys.readouterr().out
     assert "workload reasoning" in out and "queue+drafts" in out
     assert "4 workers, static (baseline): the last 10% of requests take" in out and "2048-token cap" in out
+
+
+def test_the_gqa_profile_is_the_context_fit_with_a_ninth_of_its_kv_read() -> None:
+    g, c = GPU_H100_7B_GQA, GPU_H100_7B_CONTEXT
+    assert g.per_context_token_seconds == pytest.approx(c.per_context_token_seconds * 0.109, rel=0.01)
+    for name in ("base_seconds", "per_seq_seconds", "per_draft_token_seconds", "prefill_per_token_seconds",
+                 "per_draft_context_token_seconds"):
+        assert getattr(g, name) == getattr(c, name), name
+    assert "not measured" in g.source
