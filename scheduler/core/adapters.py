@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,7 +153,7 @@ class AdapterTable:
                 holders.discard(worker_id)
 
 
-def check_adapter(table: AdapterTable, adapter: tuple[str, int], workers) -> None:
+def check_adapter(table: AdapterTable, adapter: tuple[str, int], workers: Iterable[str]) -> None:
     """Refuse (naming ``model``) requests for an adapter version that is not served now, or that
     no connected worker of ``workers`` (ids) holds."""
     name, version = adapter
