@@ -37,6 +37,7 @@ import json
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 __all__ = ["ARCHITECTURE_KEYS", "Checkpoint", "CheckpointError", "check_checkpoint", "read_checkpoint"]
 
@@ -174,7 +175,7 @@ def _read_header(file: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
-def _read_json(file: Path):
+def _read_json(file: Path) -> Any:
     try:
         return json.loads(file.read_text())
     except FileNotFoundError:

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
+import uvicorn
 from fastapi import FastAPI, Response
+
+if TYPE_CHECKING:
+    from bubblespec.worker.agent import WorkerAgent
 
 __all__ = ["start_http"]
 
 
-async def start_http(agent, port: int):
-    import uvicorn
-
+async def start_http(agent: WorkerAgent, port: int) -> uvicorn.Server:
     app = FastAPI(title="BubbleSpec worker", docs_url=None, redoc_url=None)
 
     @app.get("/healthz")
@@ -26,6 +29,6 @@ async def start_http(agent, port: int):
         return Response(body, media_type=content_type)
 
     server = uvicorn.Server(uvicorn.Config(app, host="0.0.0.0", port=port, log_level="warning", lifespan="off"))
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]
     asyncio.create_task(server.serve())
     return server

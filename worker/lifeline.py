@@ -44,6 +44,7 @@ import os
 import signal
 import sys
 import threading
+from typing import Any
 
 __all__ = ["STARTER", "Lifeline", "exit_after"]
 
@@ -92,7 +93,7 @@ class Lifeline(dict):
     there and sets ``environ`` in that process's environment (``_arm``). A copy made in the
     same process (deepcopy) arms and sets nothing."""
 
-    def __init__(self, *args, environ: dict[str, str] | None = None, cpus: tuple[int, ...] = (), **kwargs):
+    def __init__(self, *args: Any, environ: dict[str, str] | None = None, cpus: tuple[int, ...] = (), **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.environ = dict(environ or {})
         """Environment variables for the child processes (not part of the dict: the config
@@ -100,7 +101,7 @@ class Lifeline(dict):
         self.cpus = tuple(cpus)
         """Cores the child processes run on, one torch thread per core; () = left as they are."""
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, tuple]:
         return _arm, (os.getpid(), dict(self), self.environ, self.cpus)
 
 

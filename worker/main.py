@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 
 from bubblespec.store import StoreSettings, open_store
 from bubblespec.worker.agent import WorkerAgent, WorkerSettings
@@ -37,7 +38,7 @@ async def serve(settings: WorkerSettings, store_settings: StoreSettings, metrics
         http = await start_http(agent, metrics_port)
     loop = asyncio.get_running_loop()
     task = asyncio.create_task(agent.run())
-    deadline = []
+    deadline: list[threading.Timer] = []
 
     def on_signal() -> None:
         if not deadline:

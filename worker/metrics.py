@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from typing import Any
 from collections.abc import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -23,7 +24,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from bubblespec.telemetry import Histogram, MetricSpec, family
-from bubblespec.worker.agent import DRAFT_PREFIX
+from bubblespec.worker.agent import DRAFT_PREFIX, WorkerAgent
 
 __all__ = ["DRAFT_STORE_OP_BUCKETS", "WORKER_METRICS", "MetricSpec", "WorkerMetrics", "render"]
 
@@ -71,7 +72,7 @@ _TOKENS_WINDOW_SECONDS = 5.0  # the agent's heartbeat window
 class WorkerMetrics(Collector):
     """Reads ``agent`` (a ``WorkerAgent``) at scrape time."""
 
-    def __init__(self, agent):
+    def __init__(self, agent: WorkerAgent):
         self._agent = weakref.ref(agent)  # the module's registry of exporters must not keep agents alive
         self.op_seconds = Histogram(DRAFT_STORE_OP_BUCKETS)
         self._seen_ops = 0
@@ -103,7 +104,7 @@ class WorkerMetrics(Collector):
         yield family(_SPECS["bubblespec_worker_spec_accepted_tokens_total"], [((src,), v[1]) for src, v in spec])
         yield from self._collect_store(a.store)
 
-    def _collect_store(self, store) -> Iterator[Metric]:
+    def _collect_store(self, store: Any) -> Iterator[Metric]:
         if store is None:
             return
         stats = store.stats
@@ -126,7 +127,7 @@ class WorkerMetrics(Collector):
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
-def _tokens_per_second(agent) -> float:
+def _tokens_per_second(agent: WorkerAgent) -> float:
     now = time.monotonic()
     window = list(agent.tokens_window)
     return sum(n for t, n in window if now - t < _TOKENS_WINDOW_SECONDS) / _TOKENS_WINDOW_SECONDS
@@ -136,7 +137,7 @@ _EXPORTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _EXPORTERS_LOCK = threading.Lock()
 
 
-def render(agent) -> tuple[bytes, str]:
+def render(agent: WorkerAgent) -> tuple[bytes, str]:
     """The body and content type of the worker's ``GET /metrics``."""
     with _EXPORTERS_LOCK:
         exporter = _EXPORTERS.get(agent)

@@ -24,8 +24,14 @@ import logging
 import math
 import os
 import time
+from typing import TYPE_CHECKING, Any
 
 from bubblespec.client.types import SamplingParams
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable
+
+    from bubblespec.worker.engine import EngineOutput, VllmEngine
 
 __all__ = ["CHECKS", "SelfCheckFailed", "require_self_checks", "run_self_checks"]
 
@@ -43,7 +49,7 @@ class SelfCheckFailed(RuntimeError):
         self.problems = problems
 
 
-async def _greedy(engine, key: str, drafts: tuple = ()):
+async def _greedy(engine: VllmEngine, key: str, drafts: tuple = ()) -> EngineOutput:
     from bubblespec.worker.engine import EngineRequest
 
     sp = SamplingParams(temperature=0.0, max_tokens=_TOKENS, ignore_eos=True)
@@ -59,7 +65,7 @@ async def _greedy(engine, key: str, drafts: tuple = ()):
     return final
 
 
-async def _check_drafts(engine, plain) -> list[str]:
+async def _check_drafts(engine: VllmEngine, plain: EngineOutput) -> list[str]:
     drafted = await _greedy(engine, "draft", (("history", tuple(plain.token_ids)),))
     problems = []
     if drafted.token_ids != plain.token_ids:
@@ -72,7 +78,7 @@ async def _check_drafts(engine, plain) -> list[str]:
     return problems
 
 
-async def _check_sampler(llm) -> list[str]:
+async def _check_sampler(llm: Any) -> list[str]:
     problems = []
     for rank, r in enumerate(await llm.collective_rpc("bubblespec_check_sampler")):
         if r["fix_wanted"] and not r["patched"]:
@@ -87,7 +93,7 @@ async def _check_sampler(llm) -> list[str]:
     return problems
 
 
-async def _check_reload(engine, plain) -> list[str]:
+async def _check_reload(engine: VllmEngine, plain: EngineOutput) -> list[str]:
     model = engine.settings.model
     if not os.path.isdir(model):
         logger.warning("self-check: weights reload not checked: %r is not a local model directory", model)
@@ -104,11 +110,12 @@ async def _check_reload(engine, plain) -> list[str]:
     return []
 
 
-async def run_self_checks(engine) -> list[str]:
+async def run_self_checks(engine: VllmEngine) -> list[str]:
     """Run the checks on a started ``VllmEngine``; the problems found (empty: all passed).
     Never raises for a failed check: an exception inside one becomes its problem."""
     started = time.monotonic()
     llm = engine._llm
+    assert llm is not None, "engine not started"
     problems: list[str] = []
     plain = None
     try:
@@ -129,14 +136,14 @@ async def run_self_checks(engine) -> list[str]:
     return problems
 
 
-async def _guarded(name: str, check) -> list[str]:
+async def _guarded(name: str, check: Awaitable[list[str]]) -> list[str]:
     try:
         return await check
     except Exception as exc:  # noqa: BLE001 - a check that breaks is a failed check
         return [f"{name}: the check itself failed: {type(exc).__name__}: {exc}"]
 
 
-async def require_self_checks(engine) -> bool:
+async def require_self_checks(engine: Any) -> bool:
     """``run_self_checks``: True if they all passed, ``SelfCheckFailed`` if any failed. With
     ``EngineSettings.self_checks`` off: a loud warning and False."""
     if not engine.settings.self_checks:

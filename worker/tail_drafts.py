@@ -37,6 +37,7 @@ the plan still ends the current batch's last request soonest, which is what free
 from __future__ import annotations
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 __all__ = ["GRID_POINTS", "makespan_draft_tokens"]
 
@@ -44,8 +45,8 @@ GRID_POINTS = 16
 """Pass targets tried between the fewest and the most passes (geometric)."""
 
 
-def makespan_draft_tokens(remaining, accept, most, pass_seconds: float, draft_token_seconds: float,
-                          undrafted=None) -> np.ndarray:
+def makespan_draft_tokens(remaining: ArrayLike, accept: ArrayLike, most: ArrayLike, pass_seconds: float,
+                          draft_token_seconds: float, undrafted: ArrayLike | None = None) -> np.ndarray:
     """Draft tokens per request (int array) that minimise the modelled time until the last of
     them ends (module docstring). ``remaining``: draft tokens left ahead of each request;
     ``accept``: each one's per-token acceptance (0-1); ``most``: each one's cap;
@@ -65,7 +66,7 @@ def makespan_draft_tokens(remaining, accept, most, pass_seconds: float, draft_to
     q = np.clip(a, 1e-9, 1.0 - 1e-9)  # the geometric form's acceptance (unused where sure)
     log_q, one_minus_q = np.log(q), 1.0 - q
 
-    def per_pass(k):  # expected tokens a pass gives each request drafting k
+    def per_pass(k: np.ndarray) -> np.ndarray:  # expected tokens a pass gives each request drafting k
         return np.where(sure, k + 1.0, -np.expm1(log_q * (k + 1.0)) / one_minus_q)
 
     p_max = float(np.max(L + U))
