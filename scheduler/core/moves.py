@@ -209,7 +209,8 @@ class Mover:
         sampling = req.spec.sampling
         return (step.active and step.spec.straggler_watch and not sampling.stop
                 and (step.spec.use_drafts or sampling.seed is None)
-                and not req.done and req.moving_to is None and req.moved_from is None and not req.failures)
+                and not req.done and req.moving_to is None and req.moved_from is None and not req.failures
+                and req.spec.adapter is None)  # a LoRA adapter's requests stay: not every worker may hold it
 
 
 def _relieves(source: WorkerState, target: WorkerState) -> bool:

@@ -149,3 +149,17 @@ def test_unload_fails_the_queued_requests_naming_model_and_lets_running_ones_fin
     assert all(f.field == "model" and "unloaded" in f.message for f in of(failed, RequestFailed))
     done = complete(core, running[0])
     assert core.pool.pending == 0 and done  # the running one was delivered
+
+
+def test_an_adapters_requests_are_never_moved():
+    from bubblespec.scheduler.core.moves import Mover
+
+    core, _ = make_core()
+    core.add_worker(hello("a", capacity=4))
+    loaded(core.pool.adapters, "math")
+    _, actions = core.submit_requests(replace(call((5, 6)), adapter=("math", 1)))
+    req = core.steps[POOL].requests[of(actions, Assign)[0].request.key]
+    assert not Mover._movable(core.steps[POOL], req)
+    _, actions = core.submit_requests(call((5, 7)))
+    base = core.steps[POOL].requests[of(actions, Assign)[0].request.key]
+    assert Mover._movable(core.steps[POOL], base)
