@@ -15,6 +15,8 @@ import asyncio
 import contextlib
 import hmac
 import inspect
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 
@@ -24,7 +26,7 @@ _TRAINER_PREFIX = "/bubblespec.v1.Rollout/"
 _WORKER_PREFIX = "/bubblespec.v1.WorkerLink/"
 
 
-async def _settle(requests) -> None:
+async def _settle(requests: AsyncIterator[Any]) -> None:
     """Let a streaming client's opening burst (hello, first heartbeat) land before refusing:
     a grpc-python client still writing when the status arrives reports its failed write
     (INTERNAL) instead of the status. Reads until 0.25 s pass quietly, 2 s at most."""
@@ -35,19 +37,19 @@ async def _settle(requests) -> None:
                 await asyncio.wait_for(anext(it), 0.25)
 
 
-def _deny(code: grpc.StatusCode, message: str, handler: grpc.RpcMethodHandler | None):
-    async def unary(request, context):
+def _deny(code: grpc.StatusCode, message: str, handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
+    async def unary(request: Any, context: Any) -> None:
         await context.abort(code, message)
 
-    async def streaming(request, context):
+    async def streaming(request: Any, context: Any) -> AsyncIterator[Any]:
         await context.abort(code, message)
         yield  # pragma: no cover
 
-    async def client_streaming(requests, context):
+    async def client_streaming(requests: AsyncIterator[Any], context: Any) -> None:
         await _settle(requests)
         await context.abort(code, message)
 
-    async def bidi(requests, context):
+    async def bidi(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
         await _settle(requests)
         await context.abort(code, message)
         yield  # pragma: no cover
@@ -70,7 +72,7 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, trainer_token: str, worker_token: str):
         self.tokens = {_TRAINER_PREFIX: trainer_token, _WORKER_PREFIX: worker_token}
 
-    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
         method = details.method
         ours = method.startswith(tuple(self.tokens))
         expected = next((tok for prefix, tok in self.tokens.items() if method.startswith(prefix)), None)
@@ -111,8 +113,8 @@ class _Undecodable:
         self.reason = str(exc) or type(exc).__name__
 
 
-def _tolerant(deserializer):
-    def parse(data: bytes):
+def _tolerant(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
         try:
             return deserializer(data)
         except Exception as exc:  # DecodeError, and whatever a broken deserializer raises
@@ -121,18 +123,18 @@ def _tolerant(deserializer):
     return parse
 
 
-async def _refuse(context, bad: _Undecodable) -> None:
+async def _refuse(context: Any, bad: _Undecodable) -> None:
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid protobuf message ({bad.reason})")
 
 
-async def _checked_stream(requests, context):
+async def _checked_stream(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
     async for request in requests:
         if isinstance(request, _Undecodable):
             await _refuse(context, request)
         yield request
 
 
-def _refuse_undecodable(handler: grpc.RpcMethodHandler | None):
+def _refuse_undecodable(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler | None:
     """Parse requests tolerantly; answer INVALID_ARGUMENT when the bytes are not a message."""
     if handler is None or handler.request_deserializer is None:
         return handler
@@ -140,19 +142,22 @@ def _refuse_undecodable(handler: grpc.RpcMethodHandler | None):
             + ("stream" if handler.response_streaming else "unary"))
     behavior = getattr(handler, kind)
 
-    async def check(request, context):
+    async def check(request: Any, context: Any) -> Any:
         if handler.request_streaming:
             return _checked_stream(request, context)
         if isinstance(request, _Undecodable):
             await _refuse(context, request)
         return request
 
+    wrapped: Callable[[Any, Any], Any]
     if inspect.isasyncgenfunction(behavior):
-        async def wrapped(request, context):
+        async def each(request: Any, context: Any) -> AsyncIterator[Any]:
             async for item in behavior(await check(request, context), context):
                 yield item
+        wrapped = each
     else:
-        async def wrapped(request, context):
+        async def whole(request: Any, context: Any) -> Any:
             return await behavior(await check(request, context), context)
+        wrapped = whole
 
     return handler._replace(request_deserializer=_tolerant(handler.request_deserializer), **{kind: wrapped})

@@ -59,7 +59,7 @@ class ControlCalls:
             fut = loop.create_future()
             self._pending[call_id] = (wid, fut)
             waiting[wid] = (call_id, fut)
-            msg = pb.SchedulerMessage(control=pb.ControlCall(call_id=call_id, op=op, json=json.dumps(arguments),
+            msg = pb.SchedulerMessage(control=pb.ControlCall(call_id=call_id, op=op, json=json.dumps(arguments),  # type: ignore[arg-type]
                                                              policy_version=policy_version))
             if not self._send(wid, msg):
                 fut.set_result(ControlAnswer(wid, "not connected"))

@@ -36,6 +36,7 @@ import hmac
 import json
 import logging
 import struct
+from typing import Any, cast
 
 from google.protobuf.message import DecodeError
 
@@ -76,7 +77,7 @@ class StepJournal:
         self.rejected = 0
         """Records dropped on read: MAC mismatch, undecodable, or failing the replay checks."""
         self._secret = secret
-        self._keyed = None  # the keyed HMAC state, computed once (_mac)
+        self._keyed: Any = None  # the keyed HMAC state, computed once (_mac)
         self.batch_seconds = batch_seconds
         self._writes = Pending()
         self._flushing = asyncio.Event()  # a flush waits: write what is queued now
@@ -156,7 +157,7 @@ class StepJournal:
         """(version, weights path) an earlier scheduler served, if its record is authentic."""
         key = self.prefix + "policy"
         try:
-            raw = await self.redis.get(key)
+            raw = cast("bytes | None", await self.redis.get(key))  # no decode_responses: bytes
         except Exception as exc:
             logger.warning("step journal unreachable: %s", type(exc).__name__)
             return None
@@ -183,7 +184,7 @@ class StepJournal:
         the caller still checks each completion against the step (``check_replayed``)."""
         key = self._step_key(step_id)
         try:
-            fields = await self.redis.hgetall(key)
+            fields = cast("dict[bytes, bytes]", await self.redis.hgetall(key))
         except Exception as exc:
             logger.warning("step journal unreachable: %s", type(exc).__name__)
             return None
@@ -232,7 +233,7 @@ class StepJournal:
     async def load_failure(self, step_id: str) -> tuple[str, str] | None:
         """(field, message) of a step an earlier scheduler ended in failure, if it did."""
         try:
-            raw = await self.redis.hget(self._step_key(step_id), "failed")
+            raw = cast("bytes | None", await self.redis.hget(self._step_key(step_id), "failed"))
             if raw is None:
                 return None
             record = self._open(self._step_key(step_id), "failed", raw)
@@ -275,7 +276,7 @@ class StepJournal:
         return payload if hmac.compare_digest(blob[:MAC_BYTES], self._mac(key, field, payload)) else None
 
 
-def _queue_writes(pipe, writes: list[tuple], ttl: int) -> None:
+def _queue_writes(pipe: Any, writes: list[tuple], ttl: int) -> None:
     """Queue ``writes`` on a pipeline in order, each run of consecutive hash writes as one HSET per
     key (all its fields) and one EXPIRE per key, instead of an HSET and an EXPIRE per field: a
     step's completions cost a few Redis commands per batch, not two each. Same result: a run holds

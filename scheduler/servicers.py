@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import replace
+from typing import Any
 
 import grpc
 from bubblespec.api.v1 import rollout_pb2 as pb
@@ -68,7 +70,7 @@ class RolloutServicer(pbg.RolloutServicer):
             raise InvalidRequest("workers", "no worker has connected yet", ErrorCode.UNAVAILABLE)
         return limits
 
-    async def Generate(self, request: pb.GenerateRequest, context):
+    async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
         try:
             check_request_bytes(request.ByteSize(), self.limits.max_request_bytes)
             spec = build_step(
@@ -86,7 +88,7 @@ class RolloutServicer(pbg.RolloutServicer):
         except InvalidRequest as exc:
             await _abort(context, exc)
 
-    async def Complete(self, request: pb.CompleteRequest, context):
+    async def Complete(self, request: pb.CompleteRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
         try:
             check_request_bytes(request.ByteSize(), self.limits.max_request_bytes)
             spec = build_step(
@@ -101,7 +103,7 @@ class RolloutServicer(pbg.RolloutServicer):
         except InvalidRequest as exc:
             await _abort(context, exc)
 
-    async def Announce(self, request: pb.AnnounceRequest, context):
+    async def Announce(self, request: pb.AnnounceRequest, context: Any) -> Any:
         try:
             check_request_bytes(request.ByteSize(), self.limits.max_announce_bytes)
             model = self._model()
@@ -115,7 +117,7 @@ class RolloutServicer(pbg.RolloutServicer):
         except InvalidRequest as exc:
             await _abort(context, exc)
 
-    async def UpdatePolicy(self, request: pb.UpdatePolicyRequest, context):
+    async def UpdatePolicy(self, request: pb.UpdatePolicyRequest, context: Any) -> Any:
         try:
             check_weights_path(request.weights_path, self.limits)
             loaded = await self.service.update_policy(request.version, request.weights_path)
@@ -123,7 +125,7 @@ class RolloutServicer(pbg.RolloutServicer):
         except InvalidRequest as exc:
             await _abort(context, exc)
 
-    async def Status(self, request: pb.StatusRequest, context):
+    async def Status(self, request: pb.StatusRequest, context: Any) -> Any:
         doc = await self.status.document(current=True)
         snap = doc.view
         workers = [pb.WorkerStatus(worker_id=w["worker_id"], state=w["state"], policy_version=w["policy_version"],
@@ -134,7 +136,7 @@ class RolloutServicer(pbg.RolloutServicer):
                                  requests_waiting=snap["requests_waiting"], requests_running=snap["requests_running"],
                                  json=doc.body.decode())
 
-    async def Cancel(self, request: pb.CancelRequest, context):
+    async def Cancel(self, request: pb.CancelRequest, context: Any) -> Any:
         try:
             return pb.CancelResponse(cancelled_requests=self.service.cancel(request.step_id))
         except InvalidRequest as exc:
@@ -150,7 +152,7 @@ class WorkerLinkServicer(pbg.WorkerLinkServicer):
         self.limits = limits
         self.max_message_bytes = max_message_bytes  # the scheduler's gRPC send limit
 
-    async def Connect(self, request_iterator, context):
+    async def Connect(self, request_iterator: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
         first = await anext(aiter(request_iterator), None)
         self.service.worker_messages.received += first is not None  # the hello, joined or refused
         try:
@@ -192,7 +194,7 @@ class WorkerLinkServicer(pbg.WorkerLinkServicer):
                                  f"over the scheduler's max_message_bytes {self.max_message_bytes}",
                                  ErrorCode.FAILED_PRECONDITION)
 
-    async def _read(self, worker_id: str, request_iterator, link) -> None:
+    async def _read(self, worker_id: str, request_iterator: AsyncIterator[Any], link: Any) -> None:
         counts = self.service.worker_messages
         try:
             async for msg in request_iterator:
@@ -207,7 +209,7 @@ class WorkerLinkServicer(pbg.WorkerLinkServicer):
             link.close()
 
 
-def _policy(value: int):
+def _policy(value: int) -> SchedulingPolicy | None:
     try:
         return cv.policy_from_pb(value)
     except ValueError as exc:
