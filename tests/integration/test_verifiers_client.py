@@ -6,7 +6,7 @@ tests/requirements-verifiers.txt) as ``tests/support/verifiers_rollout.py``, dri
 stdin/stdout: a three-turn chat rollout with a tool in the chat template and a tool call and
 result in the history, rendered to token ids by verifiers' renderer and posted to
 ``/inference/v1/generate`` with the rollout's ``X-Session-ID`` on every turn, with prime-rl's
-train sampling arguments (greedy here). Its requests are recorded on the client's own
+train sampling arguments (greedy here) and cache salt. Its requests are recorded on the client's own
 connection pool and replayed to plain vLLM (``vllm_reference``): greedy token ids equal, the
 logprobs verifiers read within 1e-4 of plain vLLM's. The renderer for a model without a typed
 renderer (``DefaultRenderer``) renders each turn from the messages (it has no bridge): a turn's
@@ -51,8 +51,11 @@ MESSAGES = [
     {"role": "assistant", "content": "", "tool_calls": [
         {"id": "call_0", "type": "function", "function": {"name": "add", "arguments": "{\"a\": 2, \"b\": 3}"}}]},
     {"role": "tool", "tool_call_id": "call_0", "content": "5"}, {"role": "user", "content": "and 4+4?"}]
-# prime-rl's train sampling arguments (prime_rl.configs.orchestrator's to_sampling_args), greedy
-SAMPLING = {"temperature": 0.0, "top_p": 1.0, "logprobs": True, "max_completion_tokens": MAX_TOKENS}
+SALT = "3"
+# prime-rl's train sampling arguments (prime_rl.configs.orchestrator's to_sampling_args), greedy, with
+# the cache salt its orchestrator adds on rollouts from the live policy (the policy version)
+SAMPLING = {"temperature": 0.0, "top_p": 1.0, "logprobs": True, "max_completion_tokens": MAX_TOKENS,
+            "extra_body": {"cache_salt": SALT}}
 
 
 def _job(base_url: str, model: str, tiny_model: str, user_turns: list[str]) -> dict:
@@ -95,7 +98,7 @@ async def test_verifiers_train_client_multi_turn_rollout_matches_plain_vllm(serv
         assert request["headers"]["authorization"] == "Bearer EMPTY"
         assert request["body"] == {"model": model, "token_ids": turn["prompt_ids"], "sampling_params": {
             "temperature": 0.0, "top_p": 1.0, "logprobs": 1, "max_tokens": MAX_TOKENS, "stop_token_ids": [2],
-            "skip_special_tokens": False}}
+            "skip_special_tokens": False}, "cache_salt": SALT}
         assert turn["status"] == 200
         choice = turn["answer"]["choices"][0]
         assert turn["completion_ids"] == choice["token_ids"] and turn["completion_ids"]
