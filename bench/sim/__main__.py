@@ -67,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--loop-share", type=float, default=None,
                    help="what-if: share of truncated responses whose last 3,000 tokens loop (own-text acceptance "
                         "0.99, MiniMax-M1); with own-text drafts only (reasoning: default 0)")
+    p.add_argument("--epoch-history", type=float, default=0.0,
+                   help="what-if: every prompt has its response from an earlier epoch as a history draft, at this mean "
+                        "acceptance (RhymeRL, second-hand: 0.65-0.79); 0: off, the first epoch")
     p.add_argument("--context-blind", action="store_true",
                    help="reasoning: keep the profile as named, without its context-aware fit")
     p.add_argument("--sensitivity", action="store_true",
@@ -176,7 +179,8 @@ def resolve(args: argparse.Namespace) -> tuple[Workload, AcceptanceModel, CostPr
     try:
         acceptance = replace(base, future=pick(args.accept_future, base.future),
                              history=pick(args.accept_history, base.history), suffix=pick(args.accept_suffix, base.suffix),
-                             loop_share=pick(args.loop_share, base.loop_share), paying=args.draft_rule == "paying",
+                             loop_share=pick(args.loop_share, base.loop_share), epoch_history=args.epoch_history,
+                             paying=args.draft_rule == "paying",
                              max_draft_tokens=args.max_draft_tokens, token_budget=args.draft_token_budget,
                              min_accept_prob=args.min_accept_prob)
     except ValueError as e:
@@ -191,7 +195,8 @@ def resolve(args: argparse.Namespace) -> tuple[Workload, AcceptanceModel, CostPr
         note += (f"; acceptance by source (bench/sim/reasoning.py): own text {acceptance.suffix}, siblings "
                  f"{', '.join(f'{n}: {a}' for n, a in acceptance.siblings) or 'off'}, future {acceptance.future}, "
                  f"history {acceptance.history}, looping {acceptance.loop_alpha} over {acceptance.loop_tokens} tokens "
-                 f"for {acceptance.loop_share:.0%} of the truncated")
+                 f"for {acceptance.loop_share:.0%} of the truncated, history across epochs "
+                 f"{acceptance.epoch_history or 'off'}")
     return workload, acceptance, profile, note
 
 

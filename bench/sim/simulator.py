@@ -655,6 +655,14 @@ class _Simulation:
                 log.with_history += first  # type: ignore[union-attr]
             if source:
                 alpha = self.acceptance.alpha(source, p.accept_z[req.sample_index])
+            epoch = self.acceptance.epoch_history
+            if epoch > 0 and epoch > (getattr(self.acceptance, source) if source else 0.0):
+                # what-if: the prompt's response of an earlier epoch (a length drawn around its scale)
+                draft_len = self.workload.lengths.length(p.scale, -p.draft_z[-1])
+                if source != "history":  # counted once: as a history draft
+                    log.with_history += first  # type: ignore[union-attr]
+                    log.with_future -= first and source == "future"  # type: ignore[union-attr]
+                source, alpha = "history", self.acceptance.spread_alpha(epoch, p.accept_z[req.sample_index])
         m = Member(req.key, p.lengths[req.sample_index], draft_len=draft_len, source=source, alpha=alpha,
                    prompt_tokens=self.workload.prompt_tokens, payload=req, assigned_at=self.now)
         if a.resume is not None:  # moved: it goes on from what it generated on its last worker

@@ -90,6 +90,9 @@ class AcceptanceModel:
     """Live siblings (grouped drafts): ``(n, alpha)`` rows, n ascending; once n of a request's
     group have finished, its own-text acceptance (``suffix``) becomes that row's alpha (with
     its spread). Empty: off (own text only)."""
+    epoch_history: float = 0.0
+    """What-if: mean acceptance of the prompt's response from an earlier epoch, a ``history``
+    draft every request has (used where it beats the draft it found); 0: off (the first epoch)."""
     loop_share: float = 0.0
     """What-if: the share of truncated responses whose last ``loop_tokens`` tokens loop."""
     loop_alpha: float = 0.99
@@ -100,6 +103,8 @@ class AcceptanceModel:
     def __post_init__(self) -> None:
         if any(n < 1 or not 0 <= a < 1 for n, a in self.siblings) or list(self.siblings) != sorted(self.siblings):
             raise ValueError(f"siblings must be (n >= 1, alpha in [0, 1)) rows, n ascending, got {self.siblings}")
+        if not 0 <= self.epoch_history < 1:
+            raise ValueError(f"epoch_history must be in [0, 1), got {self.epoch_history}")
         if not 0 <= self.loop_share <= 1 or not 0 < self.loop_alpha < 1 or self.loop_tokens < 0:
             raise ValueError("loop_share must be in [0, 1], loop_alpha in (0, 1), loop_tokens >= 0")
         for name in ("future", "history", "suffix"):

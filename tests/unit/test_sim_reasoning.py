@@ -136,3 +136,14 @@ def test_the_gqa_profile_is_the_context_fit_with_a_ninth_of_its_kv_read() -> Non
                  "per_draft_context_token_seconds"):
         assert getattr(g, name) == getattr(c, name), name
     assert "not measured" in g.source
+
+
+def test_history_across_epochs_is_a_what_if_draft_for_every_request() -> None:
+    quick = Workload(lengths=replace(REASONING_LENGTHS, median_tokens=400.0, max_tokens=1600))
+    first = small(REASONING_ACCEPTANCE, workload=quick)
+    later = small(replace(REASONING_ACCEPTANCE, epoch_history=0.79), workload=quick)
+    assert all(s.with_history_draft < s.requests for s in first.steps)  # only samples that start after a sibling
+    assert all(s.with_history_draft == s.requests for s in later.steps)  # 0.79 beats every draft found
+    assert later.mean("forward_passes_per_token") < first.mean("forward_passes_per_token")
+    with pytest.raises(ValueError, match="epoch_history"):
+        replace(REASONING_ACCEPTANCE, epoch_history=1.0)
