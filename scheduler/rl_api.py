@@ -11,7 +11,7 @@
 - ``POST /update_weights {"weight_dir": DIR}`` (prime-rl): the policy-version barrier, version
   = current + 1; the answer comes once every worker loaded it. ``{"update_info": {...}}`` is
   vLLM's weight-transfer form, handled by ``bubblespec.scheduler.weight_transfer`` when that
-  module is installed. ``POST /reload_weights`` (prime-rl): back to the weights the workers
+  module is installed. ``POST /reload_weights`` (older prime-rl): back to the weights the workers
   started from, as a new version.
 - ``GET /server_info?config_format=json`` -> ``{"vllm_config": {...}}`` with what trainers read
   (TRL: ``model_config.logprobs_mode`` and ``model_config.dtype``, ``weight_transfer_config``,
