@@ -33,8 +33,10 @@ Acceptance (``REASONING_ACCEPTANCE``), by draft source:
 - future drafts one policy version old (``future``): BubbleSpec (arXiv 2605.08862, abstract):
   decoding steps -50%, about 2 tokens per pass -> alpha 0.50.
 - a finished sibling as the draft of a sample that starts after it (``history`` within a step):
-  Seer's one-sibling row, alpha 0.51. History across epochs (RhymeRL, second-hand, alpha
-  0.65-0.79) needs the prompt's earlier epoch, which a two-step run does not have: not modelled.
+  Seer's one-sibling row, alpha 0.51.
+- history across epochs (``epoch_history``): RhymeRL (arXiv 2508.18588, second-hand): alpha
+  0.65-0.79 for an earlier epoch's responses. A what-if, off by default (a run's first epoch):
+  ``--epoch-history 0.65`` gives every request such a draft.
 - text that has started to loop: MiniMax-M1 (arXiv 2506.13585, section 3.2): every token above
   0.99 probability, generation stopped after 3,000 such tokens -> alpha 0.99 over the last
   3,000 tokens of a looping response. The share of truncated responses that loop has no
@@ -113,6 +115,8 @@ SENSITIVITY: dict[str, tuple[str, dict[str, object], dict[str, object]]] = {
                {"future": alpha_for_tau(1.70)}, {"future": 0.65}),
     "history": ("a finished sibling: Seer's 1-sibling row (tau 2.04, one path) / RhymeRL alpha 0.79 (second-hand)",
                 {"history": alpha_for_tau(2.04)}, {"history": 0.79}),
+    "epoch history": ("what-if: the first epoch (none) / RhymeRL's high end, alpha 0.79 (second-hand)",
+                      {"epoch_history": 0.0}, {"epoch_history": 0.79}),
     "loop share": ("what-if, no source: none / all of the truncated responses loop (MiniMax-M1: alpha 0.99, "
                    "3,000 tokens)", {"loop_share": 0.0}, {"loop_share": 1.0}),
 }
