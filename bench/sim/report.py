@@ -47,9 +47,9 @@ def sensitivity_lines(workers: int, requests: int, args: argparse.Namespace, wor
     static = run("static", False, acceptance)
     lines = [f"sensitivity, {workers} workers, {requests} requests/step, seed {args.seed}: speedup of "
              f"{policy}+drafts over static ({static:.1f} s)",
-             f"  {'constant':<11} {'low':>6} {'high':>6}  range of its sources"]
+             f"  {'constant':<13} {'low':>6} {'high':>6}  range of its sources"]
     for name, (what, low, high) in SENSITIVITY.items():
         lo, hi = (static / run(policy, drafting, replace(acceptance, **a)) for a in (low, high))  # type: ignore[arg-type]
-        lines.append(f"  {name:<11} {lo:5.2f}x {hi:5.2f}x  {what}")
+        lines.append(f"  {name:<13} {lo:5.2f}x {hi:5.2f}x  {what}")
     return lines
 
