@@ -26,9 +26,9 @@ import asyncio
 import inspect
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from bubblespec.scheduler.core.types import Action, Assign, Deliver, PolicyLoadReported, RequestsMoved, StepFailed, StepFinished
@@ -38,6 +38,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from bubblespec.client.types import Completion, StepSummary
     from bubblespec.scheduler.core.state import SchedulerCore
     from bubblespec.scheduler.core.view import StepView
     from bubblespec.scheduler.service import SchedulerService
@@ -166,11 +167,10 @@ class SchedulerMetrics(Collector):
 
     def on_action(self, action: Action) -> None:
         """Listener on ``SchedulerService.listeners``: called with every core action."""
-        kind = type(action)
-        if kind is Deliver:  # most actions are deliveries and assignments: no pattern matching for those
+        if type(action) is Deliver:  # most actions are deliveries and assignments: no pattern matching for those
             self._on_deliver(action.step_id, action.completion)
             return
-        if kind is Assign:
+        if type(action) is Assign:
             return
         match action:
             case Deliver(step_id, completion):
@@ -185,7 +185,7 @@ class SchedulerMetrics(Collector):
                 with self.tally.lock:
                     self.tally.steps_failed += 1
 
-    def _on_deliver(self, step_id: str, completion) -> None:
+    def _on_deliver(self, step_id: str, completion: Completion) -> None:
         prov = completion.provenance
         t = self.tally
         with t.lock:
@@ -200,7 +200,7 @@ class SchedulerMetrics(Collector):
                 step.drafted += s.drafted_tokens
                 step.accepted += s.accepted_tokens
 
-    def _on_step_finished(self, step_id: str, summary) -> None:
+    def _on_step_finished(self, step_id: str, summary: StepSummary) -> None:
         view = self.core.step(step_id)
         t = self.tally
         with t.lock:
@@ -339,7 +339,7 @@ class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, count: Callable[[str, grpc.StatusCode], None]):
         self.count = count
 
-    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(details)
         if handler is None:
             return None
@@ -354,7 +354,7 @@ class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):
         return handler._replace(**{kind: wrap(behavior, method, self.count)})
 
 
-def _final_code(context, exc: BaseException | None) -> grpc.StatusCode:
+def _final_code(context: Any, exc: BaseException | None) -> grpc.StatusCode:
     if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
         remaining = context.time_remaining()
         return (grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0
@@ -367,8 +367,8 @@ def _final_code(context, exc: BaseException | None) -> grpc.StatusCode:
     return grpc.StatusCode.OK if exc is None else grpc.StatusCode.UNKNOWN
 
 
-def _wrap_coroutine(behavior, method: str, count):
-    async def wrapper(request, context):
+def _wrap_coroutine(behavior: Any, method: str, count: Callable[[str, grpc.StatusCode], None]) -> Any:
+    async def wrapper(request: Any, context: Any) -> Any:
         exc: BaseException | None = None
         try:
             return await behavior(request, context)
@@ -381,8 +381,8 @@ def _wrap_coroutine(behavior, method: str, count):
     return wrapper
 
 
-def _wrap_generator(behavior, method: str, count):
-    async def wrapper(request, context):
+def _wrap_generator(behavior: Any, method: str, count: Callable[[str, grpc.StatusCode], None]) -> Any:
+    async def wrapper(request: Any, context: Any) -> AsyncIterator[Any]:
         exc: BaseException | None = None
         try:
             async for item in behavior(request, context):
@@ -399,7 +399,7 @@ def _wrap_generator(behavior, method: str, count):
 # ------------------------------------------------------------------ entry --
 
 
-def render(scheduler) -> tuple[bytes, str]:
+def render(scheduler: Any) -> tuple[bytes, str]:
     """The body and content type of ``GET /metrics`` for ``scheduler`` (a ``Scheduler``: its
     ``service`` and, once made, its ``metrics``)."""
     metrics = getattr(scheduler, "metrics", None)
