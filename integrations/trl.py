@@ -1,4 +1,4 @@
-"""TRL adapters: lookahead announcements and a directory weight sync for ``vllm_mode="server"``.
+"""TRL adapters: lookahead announcements and directory weight syncs for TRL's vLLM server mode.
 
 TRL's ``GRPOTrainer`` (and ``RLOOTrainer``) in server mode talk to the scheduler's HTTP port as
 they talk to ``vllm serve`` (``vllm_server_base_url="http://scheduler:8080"``). This module adds
@@ -15,6 +15,16 @@ what TRL does not do by itself (docs/INTEGRATIONS.md, "TRL"):
   unaffected.`` (``VLLMClient.init_communicator``).
 * ``BubbleSpecVLLMClient``: TRL's ``VLLMClient`` that sends ``Authorization: Bearer <token>``
   (TRL's own client sends none, so it cannot reach a scheduler that has a trainer token).
+
+For TRL's ``AsyncGRPOTrainer`` (``trl.experimental.async_grpo``), whose own rollout child and
+pause/resume calls run against the scheduler unchanged:
+
+* ``DirectoryWeightTransfer``: its ``weight_transfer`` (TRL's ``WeightTransferProtocol``) that
+  saves each policy to a directory and POSTs ``/update_weights {"weight_dir"}`` in place of
+  TRL's NCCL ``WeightTransferClient``, which needs a CUDA trainer.
+* ``async_grpo_on_cpu``: a context that replaces the trainer's two CUDA-only calls on a CPU
+  trainer: the FlashAttention-3 tree-attention kernel (by the same attention in plain torch)
+  and the peak-FLOPs lookup (None off CUDA: no MFU metrics).
 
 Needs ``pip install 'bubblespec[trl]'``; TRL's server-mode client also needs vLLM importable in
 the trainer's environment (its own check).
@@ -48,8 +58,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from bubblespec.client import ClientSettings, Retry, RolloutClient, SamplingParams
 
 __all__ = [
-    "BubbleSpecLookahead", "BubbleSpecVLLMClient", "DirectoryWeightSync", "PromptSchedule", "RoundShape", "find_sampler",
-    "lookahead_sampling", "replayable_copy", "tokenize_prompts",
+    "BubbleSpecLookahead", "BubbleSpecVLLMClient", "DirectoryWeightSync", "DirectoryWeightTransfer", "PromptSchedule",
+    "RoundShape", "async_grpo_on_cpu", "find_sampler", "lookahead_sampling", "replayable_copy", "tokenize_prompts",
 ]
 
 logger = logging.getLogger(__name__)
@@ -375,3 +385,166 @@ class DirectoryWeightSync(VLLMGeneration):
         for old in self.synced_dirs[:-self.keep]:
             if old.exists():
                 shutil.rmtree(old)
+
+
+# ----------------------------------------------------------------------------- async GRPO (trl.experimental.async_grpo)
+
+
+class DirectoryWeightTransfer:
+    """``AsyncGRPOTrainer(weight_transfer=...)`` (TRL's ``WeightTransferProtocol``) that loads
+    each policy through the scheduler's ``/update_weights {"weight_dir": ...}`` instead of TRL's
+    ``WeightTransferClient``, whose NCCL group (``/init_weight_transfer_engine``, then
+    ``/start_weight_update``, ``/update_weights {"update_info"}``, ``/finish_weight_update``
+    around a broadcast) needs a CUDA trainer.
+
+    What is replaced is the transfer only: ``send_weights`` takes the ``(name, tensor)`` stream
+    the trainer builds for the NCCL path (the names vLLM loads), writes ``config.json`` +
+    ``model.safetensors`` to a fresh directory under ``weights_root`` (which every worker must
+    be able to read) and POSTs it; the answer comes once every worker serves the new version.
+    ``pause`` and ``resume`` are TRL's own ``VLLMClient`` calls (``/pause?mode=keep``,
+    ``/resume``), ``init_weight_transfer`` waits for ``/health`` as TRL's does, and the first
+    send repeats TRL's check of the trainer's dtype against ``/server_info``'s
+    ``model_config.dtype`` (a warning, as TRL's). The ``keep`` newest directories stay on disk
+    (``synced_dirs`` lists what was written, oldest first); ``destroy`` deletes nothing."""
+
+    def __init__(self, base_url: str, weights_root: str | Path, model: str | Any, *, keep: int = 2,
+                 server_timeout: float = 240.0, control_timeout: int = 300, update_timeout: int = 1800):
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+            raise ValueError(f"keep: must be an int >= 1, got {keep!r}")
+        from trl.experimental.async_grpo.vllm_client import VLLMClient as AsyncVLLMClient
+
+        self.client = AsyncVLLMClient(base_url, server_timeout)
+        self.weights_root, self.keep = Path(weights_root), keep
+        self.control_timeout, self.update_timeout = control_timeout, update_timeout
+        self._model = model
+        self._dtype_checked = False
+        self.synced_dirs: list[Path] = []
+        """Directories written, oldest first (the ``keep`` newest remain on disk)."""
+
+    def init_weight_transfer(self) -> None:
+        self.client.wait_for_server_ready()
+        self.weights_root.mkdir(parents=True, exist_ok=True)
+
+    def pause(self) -> None:
+        self.client.pause(timeout=self.control_timeout)
+
+    def resume(self) -> None:
+        self.client.resume(timeout=self.control_timeout)
+
+    def send_weights(self, iterator: Iterator[tuple[str, Any]]) -> None:
+        """Save the streamed policy to a fresh directory and load it on every worker."""
+        from collections import Counter
+
+        import requests
+        from safetensors.torch import save_file
+
+        tensors = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in iterator}
+        if not tensors:
+            raise ValueError("send_weights: the trainer streamed no parameters")
+        if not self._dtype_checked:
+            self._dtype_checked = True
+            train = Counter(str(t.dtype).removeprefix("torch.") for t in tensors.values()).most_common(1)[0][0]
+            served = (self.client.get_dtype() or "").removeprefix("torch.")
+            if served != train:
+                logger.warning("The scheduler's workers serve in %s but the weights sent to them are %s: set `dtype` "
+                               "in AsyncGRPOConfig to %r, or start the workers with that dtype", served, train, served)
+        path = self.weights_root / f"policy-{len(self.synced_dirs):06d}-{uuid.uuid4().hex[:8]}"
+        path.mkdir(parents=True)
+        self._config().save_pretrained(str(path))
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        r = requests.post(f"{self.client.server_url}/update_weights", json={"weight_dir": str(path)},
+                          timeout=self.update_timeout)
+        if r.status_code != 200:  # the scheduler changed nothing (its barrier loads all or none)
+            shutil.rmtree(path)
+            raise RuntimeError(f"POST /update_weights {{'weight_dir': {str(path)!r}}} failed: {r.status_code}, "
+                               f"{r.text[:500]}")
+        self.synced_dirs.append(path)
+        for old in self.synced_dirs[:-self.keep]:
+            if old.exists():
+                shutil.rmtree(old)
+
+    def destroy(self) -> None:
+        """Nothing to release: no transfer group was joined."""
+
+    def _config(self) -> Any:
+        if isinstance(self._model, str):
+            from transformers import AutoConfig
+
+            self._model = AutoConfig.from_pretrained(self._model)
+        return self._model
+
+
+def _varlen_causal_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
+                             softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0, **kwargs):
+    """``flash_attn_varlen_func``'s contract in plain torch: segment ``i`` of ``query`` (rows
+    ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``) attends to rows ``cu_seqlens_k[i]:cu_seqlens_k[i+1]``
+    of ``key``/``value`` with the causal mask aligned to the bottom right (the last query row
+    sees every key), heads grouped as in GQA. Sliding windows and softcapping are refused."""
+    import torch.nn.functional as F
+
+    if not causal:
+        raise NotImplementedError("torch tree attention: only causal attention (TRL's tree packing) is implemented")
+    if tuple(window_size) != (-1, -1) or softcap:
+        raise NotImplementedError(f"torch tree attention: sliding windows and softcapping are not implemented "
+                                  f"(window_size={tuple(window_size)}, softcap={softcap})")
+    if kwargs:
+        raise NotImplementedError(f"torch tree attention: unsupported arguments {sorted(kwargs)}")
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"query heads ({heads}) are not a multiple of key/value heads ({kv_heads})")
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    outs = []
+    for (q0, q1), (k0, k1) in zip(zip(cq, cq[1:]), zip(ck, ck[1:]), strict=True):
+        lq, lk = q1 - q0, k1 - k0
+        if lq > lk:
+            raise ValueError(f"a segment has {lq} queries but only {lk} keys")
+        q, k, v = (x.transpose(0, 1) for x in (query[q0:q1], key[k0:k1], value[k0:k1]))  # (heads, len, dim)
+        if kv_heads != heads:
+            k, v = (x.repeat_interleave(heads // kv_heads, dim=0) for x in (k, v))
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril(diagonal=lk - lq)
+        outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=softmax_scale).transpose(0, 1))
+    return torch.cat(outs, dim=0)
+
+
+class _TorchFlashAttn:
+    flash_attn_varlen_func = staticmethod(_varlen_causal_attention)
+
+
+def _peak_flops_off_cuda(get_peak_flops_per_device: Callable) -> Callable:
+    """TRL's ``get_peak_flops_per_device``, answering None (TRL's own "unknown device": MFU
+    metrics off, every other metric kept) for a trainer not on a CUDA device, where TRL's asks
+    ``torch.cuda.get_device_name`` and fails."""
+
+    @functools.wraps(get_peak_flops_per_device)
+    def peak_flops(accelerator: Any, dtype: str) -> float | None:
+        if accelerator.device.type != "cuda":
+            return None
+        return get_peak_flops_per_device(accelerator, dtype)
+
+    return peak_flops
+
+
+@contextmanager
+def async_grpo_on_cpu() -> Iterator[None]:
+    """Lets TRL's ``AsyncGRPOTrainer`` construct and train on a CPU (or any non-CUDA) device;
+    wrap both its constructor and ``train()``. Two CUDA-only parts of TRL are replaced while
+    active, nothing else:
+
+    * the tree attention (``trl.experimental.async_grpo.packing``) runs on
+      ``_varlen_causal_attention`` (plain torch) instead of the FlashAttention-3 kernel TRL
+      fetches from the Hugging Face Hub (``kernels``), which needs a CUDA or ROCm GPU; TRL's
+      packing, masks and loss are its own;
+    * the trainer's peak-FLOPs lookup answers None off CUDA (TRL's answer for an unknown device:
+      no MFU metrics) instead of calling ``torch.cuda.get_device_name``, which raises on a
+      CPU-only torch.
+
+    Weight sync is separate: pass ``weight_transfer=DirectoryWeightTransfer(...)``."""
+    from trl.experimental.async_grpo import async_grpo_trainer, packing
+
+    saved = packing._flash_attn, async_grpo_trainer.get_peak_flops_per_device
+    packing._flash_attn = lambda: _TorchFlashAttn  # type: ignore[assignment]
+    async_grpo_trainer.get_peak_flops_per_device = _peak_flops_off_cuda(saved[1])
+    try:
+        yield
+    finally:
+        packing._flash_attn, async_grpo_trainer.get_peak_flops_per_device = saved
