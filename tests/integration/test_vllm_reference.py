@@ -191,3 +191,134 @@ async def test_refusals_against_plain_vllm(servers, path, body, status, param, t
 
     mine, ref = await _both(servers, path, body)
     assert (answer(mine), answer(ref)) == ((status, param), theirs), (mine.text, ref.text)
+
+
+def _same_prompt_logprobs(mine: list, ref: list) -> None:
+    """vLLM's prompt_logprobs: None first, then per position the same tokens in the same order with
+    the same ranks and decoded tokens, logprobs within tolerance."""
+    assert mine[0] is None and ref[0] is None and len(mine) == len(ref), (mine, ref)
+    for a, b in zip(mine[1:], ref[1:], strict=True):
+        assert list(a) == list(b), (a, b)
+        for token, theirs in b.items():
+            assert set(a[token]) == set(theirs) and (a[token]["rank"], a[token]["decoded_token"]) == \
+                (theirs["rank"], theirs["decoded_token"])
+            assert a[token]["logprob"] == pytest.approx(theirs["logprob"], abs=LOGPROB_TOLERANCE)
+
+
+async def test_prompt_logprobs_match_plain_vllm_on_every_route(servers):
+    """prompt_logprobs 0 and 3 on generate, completions and chat, greedy and sampled with n=2 (plain
+    vLLM refuses n > 1 when greedy): the cluster's engines speculate, plain vLLM does not; prompt
+    logprobs come from the prefill pass alone, so they are plain vLLM's, in its layout and places,
+    whatever the sampling."""
+    prompt = list(prompt_ids(71_010, 14))
+    messages = [{"role": "user", "content": "Count: 1 2 3 4"}]
+    greedy = {"temperature": 0.0, "max_tokens": 8}
+    sampled = {"temperature": 1.0, "seed": 11, "max_tokens": 8, "n": 2}
+    cases = [("/inference/v1/generate", {"token_ids": prompt, "sampling_params": {**greedy, "prompt_logprobs": 0}}),
+             ("/inference/v1/generate", {"token_ids": prompt, "sampling_params": {**greedy, "n": 1,
+                                                                                  "prompt_logprobs": 3}}),
+             ("/v1/completions", {"prompt": prompt, **sampled, "prompt_logprobs": 3}),
+             ("/v1/completions", {"prompt": "Hello world 2+2=", **greedy, "prompt_logprobs": 0}),
+             ("/v1/chat/completions", {"messages": messages, **sampled, "prompt_logprobs": 2})]
+    answers = await asyncio.gather(*(_both(servers, path, body) for path, body in cases))
+    for (path, body), (mine, ref) in zip(cases, answers, strict=True):
+        assert (mine.status_code, ref.status_code) == (200, 200), (path, mine.text, ref.text)
+        mine, ref = mine.json(), ref.json()
+        if path == "/v1/completions":
+            for a, b in zip(mine["choices"], ref["choices"], strict=True):
+                _same_prompt_logprobs(a["prompt_logprobs"], b["prompt_logprobs"])
+                assert a["text"] == b["text"] or body["temperature"] > 0
+        else:
+            _same_prompt_logprobs(mine["prompt_logprobs"], ref["prompt_logprobs"])
+            assert set(mine) == set(ref)
+        if path == "/inference/v1/generate":
+            _same_choices(mine, ref)
+        width = (body.get("sampling_params") or body)["prompt_logprobs"]
+        rows = (mine["prompt_logprobs"] if "prompt_logprobs" in mine else mine["choices"][0]["prompt_logprobs"])[1:]
+        assert all(width <= len(row) <= width + 1 for row in rows) and rows
+
+
+async def test_echo_matches_plain_vllm(servers):
+    """echo: the prompt's text, and with logprobs its tokens, before the completion's; max_tokens 0
+    answers the prompt alone."""
+    prompt = list(prompt_ids(71_011, 9))
+    cases = [{"prompt": "Hello world", "echo": True, "max_tokens": 6, "temperature": 0.0},
+             {"prompt": prompt, "echo": True, "max_tokens": 6, "temperature": 0.0, "logprobs": 2},
+             {"prompt": prompt, "echo": True, "max_tokens": 0, "logprobs": 1, "prompt_logprobs": 3},
+             {"prompt": "Hello world", "echo": True, "max_tokens": 4, "temperature": 0.0, "logprobs": 0,
+              "return_tokens_as_token_ids": True}]
+    answers = await asyncio.gather(*(_both(servers, "/v1/completions", body) for body in cases))
+    for body, (mine, ref) in zip(cases, answers, strict=True):
+        assert (mine.status_code, ref.status_code) == (200, 200), (body, mine.text, ref.text)
+        (a,), (b,) = mine.json()["choices"], ref.json()["choices"]
+        assert (a["text"], a["finish_reason"]) == (b["text"], b["finish_reason"]), body
+        assert mine.json()["usage"] == ref.json()["usage"]
+        if b["prompt_logprobs"] is not None:
+            _same_prompt_logprobs(a["prompt_logprobs"], b["prompt_logprobs"])
+        if b["logprobs"] is None:
+            assert a["logprobs"] is None
+            continue
+        x, y = a["logprobs"], b["logprobs"]
+        assert (x["tokens"], x["text_offset"]) == (y["tokens"], y["text_offset"]), body
+        assert [lp is None for lp in x["token_logprobs"]] == [lp is None for lp in y["token_logprobs"]]
+        assert [lp for lp in x["token_logprobs"] if lp is not None] == \
+            pytest.approx([lp for lp in y["token_logprobs"] if lp is not None], abs=LOGPROB_TOLERANCE)
+        for top, theirs in zip(x["top_logprobs"], y["top_logprobs"], strict=True):
+            assert (top is None) == (theirs is None)
+            if theirs is not None:
+                assert list(top) == list(theirs)
+                assert list(top.values()) == pytest.approx(list(theirs.values()), abs=LOGPROB_TOLERANCE)
+
+
+async def test_cache_salt_and_priority_are_accepted_as_plain_vllm_accepts_them(servers):
+    """A salt isolates the prefix cache and changes no output; a priority other than 0 is taken and
+    changes nothing under vllm serve's default scheduling policy (fcfs), here as there."""
+    prompt = list(prompt_ids(71_012, 12))
+    greedy = {"temperature": 0.0, "max_tokens": 8}
+    cases = [("/inference/v1/generate", {"token_ids": prompt, "cache_salt": "tenant-a", "priority": 5,
+                                         "sampling_params": {**greedy, "logprobs": 0}}),
+             ("/inference/v1/generate", {"token_ids": prompt, "cache_salt": "tenant-b",
+                                         "sampling_params": {**greedy, "logprobs": 0}}),
+             ("/v1/completions", {"prompt": prompt, **greedy, "cache_salt": "tenant-a", "priority": -2,
+                                  "return_token_ids": True}),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **greedy,
+                                       "cache_salt": "tenant-c", "priority": 1})]
+    answers = await asyncio.gather(*(_both(servers, path, body) for path, body in cases))
+    for (path, _), (mine, ref) in zip(cases, answers, strict=True):
+        assert (mine.status_code, ref.status_code) == (200, 200), (path, mine.text, ref.text)
+        mine, ref = mine.json(), ref.json()
+        if path == "/inference/v1/generate":
+            _same_choices(mine, ref)
+        elif path == "/v1/completions":
+            assert [c["token_ids"] for c in mine["choices"]] == [c["token_ids"] for c in ref["choices"]]
+        else:
+            assert [c["message"]["content"] for c in mine["choices"]] == \
+                [c["message"]["content"] for c in ref["choices"]]
+    for salt in ("a/b", "x" * 129):  # vLLM's rule, refused by both and named
+        mine, ref = await _both(servers, "/v1/completions", {"prompt": prompt, "max_tokens": 2, "cache_salt": salt})
+        assert (mine.status_code, ref.status_code) == (400, 400), (mine.text, ref.text)
+        assert mine.json()["error"]["param"] == "cache_salt"
+    mine, ref = await _both(servers, "/v1/completions", {"prompt": prompt, "max_tokens": 2, "prompt_logprobs": 2,
+                                                         "stream": True})
+    assert (mine.status_code, ref.status_code) == (400, 400), (mine.text, ref.text)
+    assert mine.json()["error"]["param"] == ref.json()["error"]["param"] == "prompt_logprobs"
+
+
+async def test_the_sdk_carries_prompt_logprobs_and_cache_salt(servers, client):
+    """The gRPC SDK's complete() with prompt_logprobs and cache_salt: each completion's
+    ``prompt_logprobs`` are plain vLLM's (``PromptLogprob``: token, logprob, rank, decoded token,
+    alternatives), the greedy tokens are plain vLLM's too."""
+    from bubblespec.client import SamplingParams
+
+    prompt = list(prompt_ids(71_013, 10))
+    [c, d] = await client.complete([prompt], SamplingParams(temperature=0.0, max_tokens=6, prompt_logprobs=2,
+                                                            cache_salt="sdk"), n=2)
+    _, theirs = servers
+    ref = (await theirs.post("/inference/v1/generate", json={"token_ids": prompt, "sampling_params": {
+        "temperature": 0.0, "max_tokens": 6, "prompt_logprobs": 2}})).json()
+    assert list(c.token_ids) == list(d.token_ids) == ref["choices"][0]["token_ids"]
+    for got in (c, d):
+        mine = [None] + [{str(p.token_id): {"logprob": p.logprob, "rank": p.rank, "decoded_token": p.token},
+                          **{str(t): {"logprob": lp, "rank": j + 1, "decoded_token": text}
+                             for j, (t, lp, text) in enumerate(p.top)}} for p in got.prompt_logprobs]
+        _same_prompt_logprobs(mine, ref["prompt_logprobs"])
