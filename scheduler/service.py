@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from bubblespec.client.types import Completion, SamplingParams, StepSummary
 from bubblespec.scheduler.control import ControlCalls
@@ -46,6 +47,9 @@ from bubblespec.scheduler.core.types import (
     request_key,
 )
 from bubblespec.scheduler.pending import Pending
+
+if TYPE_CHECKING:
+    from bubblespec.scheduler.journal import StepJournal
 
 __all__ = ["END", "SchedulerService", "WorkerLink"]
 
@@ -99,7 +103,7 @@ class SchedulerService:
     (``execute``); decides nothing the core decides (acceptance rules live in the core)."""
 
     def __init__(self, core: SchedulerCore, tokenize: Callable[[str], tuple[int, ...]] | None = None,
-                 journal=None, orphan_grace_seconds: float = 30.0):
+                 journal: StepJournal | None = None, orphan_grace_seconds: float = 30.0):
         self.core = core
         self.tokenize = tokenize
         self.journal = journal  # StepJournal or None: what a restarted scheduler needs
@@ -122,11 +126,10 @@ class SchedulerService:
         for action in actions:
             for listener in self.listeners:
                 listener(action)
-            kind = type(action)
-            if kind is Assign:  # most actions are assignments and deliveries: no pattern matching for those
+            if type(action) is Assign:  # most actions are assignments and deliveries: no pattern matching for those
                 self._send(action.worker_id, action)
                 continue
-            if kind is Deliver:
+            if type(action) is Deliver:
                 self._deliver(action.step_id, action.completion)
                 continue
             match action:
@@ -357,7 +360,7 @@ class SchedulerService:
         while mode == PauseMode.WAIT and self.core.paused and self.core.pause_waiting():
             ended = loop.create_future()
 
-            def wake(action, ended=ended) -> None:
+            def wake(action: Action, ended: asyncio.Future = ended) -> None:
                 if isinstance(action, (StepFinished, StepFailed, Deliver, RequestFailed)) and not ended.done():
                     ended.set_result(None)
 
