@@ -13,7 +13,9 @@ import ipaddress
 import logging
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -30,13 +32,16 @@ from bubblespec.scheduler.servicers import RolloutServicer, WorkerLinkServicer
 from bubblespec.scheduler.settings import SchedulerSettings
 from bubblespec.scheduler.status_view import StatusView
 
+if TYPE_CHECKING:
+    from bubblespec.scheduler.journal import StepJournal
+
 __all__ = ["Scheduler", "load_tokenizer", "run"]
 
 logger = logging.getLogger(__name__)
 SERVICES = ("bubblespec.v1.Rollout", "bubblespec.v1.WorkerLink")
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str) -> Callable[[str], tuple[int, ...]]:
     """A ``tokenize(text) -> ids`` function from a model directory or tokenizer.json."""
     from tokenizers import Tokenizer
 
@@ -64,7 +69,7 @@ class Scheduler:
         self.host = settings.bind_host()  # the address bound (set again, with its warning, by start)
         self.http_port = 0
         self._server: grpc.aio.Server | None = None
-        self._http = None
+        self._http: Any = None  # uvicorn.Server once serving
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -112,7 +117,7 @@ class Scheduler:
         config = uvicorn.Config(hot_routes(create_app(self)), host=self.host, port=self.settings.http_port,
                                 log_level="warning", lifespan="off")
         self._http = uvicorn.Server(config)
-        self._http.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self._http.install_signal_handlers = lambda: None
         self._tasks.append(asyncio.create_task(self._http.serve()))
         while not self._http.started:
             await asyncio.sleep(0.02)
@@ -155,7 +160,7 @@ def _keepalive_options(s: SchedulerSettings) -> list[tuple[str, int]]:
             ("grpc.http2.max_pings_without_data", 0)]
 
 
-def _journal(s: SchedulerSettings):
+def _journal(s: SchedulerSettings) -> StepJournal | None:
     """The step journal the settings ask for, or None (no Redis, or no secret to sign it with)."""
     url = s.journal_redis_url or s.redis_url
     if not url:
@@ -205,7 +210,7 @@ def _bracketed(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-async def _set_health(servicer, name: str, status) -> None:
+async def _set_health(servicer: Any, name: str, status: Any) -> None:
     result = servicer.set(name, status)
     if asyncio.iscoroutine(result):
         await result
@@ -235,7 +240,7 @@ def run(settings: SchedulerSettings) -> None:
         runner.run(serve(settings))
 
 
-def loop_factory():
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     """uvloop's event loop when it is installed (it comes with vLLM and with uvicorn[standard]),
     else None: asyncio's default. The scheduler's event loop carries every HTTP call and worker
     stream; uvloop's loop, written in C, costs less of its CPU per call (docs/LOAD.md)."""
