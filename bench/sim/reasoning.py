@@ -1,6 +1,6 @@
 """The ``reasoning`` workload: long reasoning rollouts, with draft acceptance by source.
 
-Every constant below names its source; the figures are those collected in the repository's
+Every constant below names its source; the figures are those collected in the project's
 ``SOURCES.md`` list of published workload shapes and acceptance (the primary papers were not
 re-read here: a figure marked second-hand there is marked second-hand here too). Per-token
 acceptance ``alpha`` is derived from a published tokens-per-pass figure ``tau`` (bonus token
@@ -8,7 +8,7 @@ included) by ``alpha_for_tau``: under independent acceptance ``k`` drafted token
 ``tau = (1 - alpha**(k + 1)) / (1 - alpha)``; at the k of 8-16 the sources use, alpha moves by
 under 0.01 with k (k = 8 here).
 
-Lengths (``REASONING_LENGTHS``): a 16,384-token cap (the user's 16k reasoning budget), a mean
+Lengths (``REASONING_LENGTHS``): a 16,384-token cap (a 16k reasoning budget), a mean
 response of about a third of the cap and ~3% of responses truncated:
 
 - cap / mean ~2.9: Seer (arXiv 2511.14617), Moonlight math task, mean output 22,386 tokens of a
