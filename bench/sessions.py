@@ -85,7 +85,7 @@ async def _session(http, url: str, i: int, work: Workload, vocab: int, by_header
 
 
 async def run_arm(affinity: bool, work: Workload, engine: str, workers: int, by_header: bool,
-                  model_dir: str, kv_bytes: int, sim_cache_tokens: int) -> Arm:
+                  model_dir: str, kv_bytes: int, sim_cache_tokens: int, block_size: int = 0) -> Arm:
     """One cluster with ``affinity`` on or off, every session through it; the engines' counts."""
     import aiohttp
 
@@ -101,7 +101,7 @@ async def run_arm(affinity: bool, work: Workload, engine: str, workers: int, by_
                                  core=CoreSettings(session_affinity=affinity))
     factory = None
     engine_settings = EngineSettings(model=model_dir, max_model_len=limit, max_num_seqs=32,
-                                     num_speculative_tokens=4, kv_cache_memory_bytes=kv_bytes)
+                                     num_speculative_tokens=4, kv_cache_memory_bytes=kv_bytes, block_size=block_size)
     if engine == "sim":
         sim = LoadEngineSettings(step_seconds=0.002, batch_slope_seconds=0.00002, max_model_len=limit,
                                  max_num_seqs=64, median_tokens=work.max_tokens, progress_tokens=64,
@@ -139,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--by", choices=("header", "prefix"), default="header")
     p.add_argument("--kv-cache-mib", type=int, default=1024, help="vLLM: KV cache per engine")
+    p.add_argument("--block-size", type=int, default=32,
+                   help="vLLM: tokens per KV block, the prefix cache's unit (vLLM's CPU default is 128; 0 = that)")
     p.add_argument("--sim-cache-tokens", type=int, default=0,
                    help="simulated prefix cache per engine (default: 1.5x the sessions' final tokens / workers)")
     p.add_argument("--seed", type=int, default=0)
@@ -155,12 +157,13 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = str(build_tiny_model(Path(tempfile.mkdtemp(prefix="bubblespec-sessions-")) / "tiny"))
     print(f"{work.sessions} sessions x {work.turns} turns, {workers} {a.engine} workers, sessions told by {a.by}; "
           f"final prompts up to {final} tokens; prefix cache per worker: "
-          + (f"{sim_cache} tokens (simulated)" if a.engine == "sim" else f"{a.kv_cache_mib} MiB of KV (vLLM)"),
+          + (f"{sim_cache} tokens (simulated)" if a.engine == "sim"
+             else f"{a.kv_cache_mib} MiB of KV in blocks of {a.block_size or 'the default'} tokens (vLLM)"),
           flush=True)
     arms = []
     for affinity in (True, False):
         arm = asyncio.run(run_arm(affinity, work, a.engine, workers, a.by == "header", model_dir,
-                                  a.kv_cache_mib * 2**20, sim_cache))
+                                  a.kv_cache_mib * 2**20, sim_cache, a.block_size))
         arms.append(arm)
         print(f"affinity {'on ' if affinity else 'off'}: {arm.calls} calls in {arm.seconds:.1f}s "
               f"({arm.calls / arm.seconds:.0f}/s); prompt tokens {arm.prompt_tokens}, cached {arm.cached_tokens} "

@@ -105,6 +105,8 @@ def _engine_flags(p: argparse.ArgumentParser, speculative_tokens: int = 8, draft
          "request's share: budget // batch)")
     _add(p, "tensor-parallel-size", 1, "GPUs per engine")
     _add(p, "kv-cache-memory-bytes", 256 * 2**20, "KV cache size for CPU engines")
+    _add(p, "block-size", 0, "tokens per KV-cache block, the prefix cache's unit (0 = vLLM's default: 128 on CPU, "
+         "16 on GPUs; CPU engines take multiples of 32)")
     _add(p, "dtype", "auto", "weights dtype (auto: the checkpoint's on CPU engines, vLLM's choice on GPUs)")
     _add(p, "cpu-cores", "", "CPU engines: cores the model runs on, one thread per core, e.g. 1, 0-3 or 0,2 ('' = unbound, "
          "torch's default threads: give each engine of a shared host its own; up, demo and bench put engine i on core i; "

@@ -75,6 +75,10 @@ class EngineSettings:
     the batch's tokens/s. Off: the paying rule for every request. Exact either way."""
     kv_cache_memory_bytes: int = 256 * 2**20
     """KV cache size (CPU engines); 0 lets vLLM size it from gpu_memory_utilization."""
+    block_size: int = 0
+    """Tokens per KV-cache block, the prefix cache's unit: only whole blocks are reused, so a
+    multi-turn conversation's next turn finds its prefix cached up to the last full block
+    (0 = vLLM's default: 128 on CPU, 16 on GPUs; CPU engines take multiples of 32)."""
     gpu_memory_utilization: float = 0.85
     """Share of GPU memory vLLM may use (GPU engines)."""
     tensor_parallel_size: int = 1
@@ -144,6 +148,8 @@ class EngineSettings:
                 raise ValueError(f"{name}: must be an int >= 1, got {getattr(self, name)!r:.40}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode: must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r:.40}")
+        if not (isinstance(self.block_size, int) and self.block_size >= 0):
+            raise ValueError(f"block_size: must be an int >= 0 (0 = vLLM's default), got {self.block_size!r:.40}")
 
 
 @dataclass(frozen=True)
@@ -409,6 +415,7 @@ class VllmEngine:
             weight_transfer_config=({"backend": s.weight_transfer_backend} if s.weight_transfer_backend else None),
             **({"enable_lora": True, "max_lora_rank": s.max_lora_rank, "max_loras": s.max_loras} if s.enable_lora else {}),
             **_whole_prefills(s.max_model_len),
+            **({"block_size": s.block_size} if s.block_size else {}),
         )
         # Engine start-up blocks for tens of seconds: keep the event loop (heartbeats) running.
         # Several engines start at once (nothing per-engine goes through this process's environment);
