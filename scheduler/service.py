@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 from bubblespec.client.types import Completion, SamplingParams, StepSummary
 from bubblespec.scheduler.control import ControlCalls
@@ -47,9 +47,6 @@ from bubblespec.scheduler.core.types import (
     request_key,
 )
 from bubblespec.scheduler.pending import Pending
-
-if TYPE_CHECKING:
-    from bubblespec.scheduler.journal import StepJournal
 
 __all__ = ["END", "SchedulerService", "WorkerLink"]
 
@@ -103,7 +100,7 @@ class SchedulerService:
     (``execute``); decides nothing the core decides (acceptance rules live in the core)."""
 
     def __init__(self, core: SchedulerCore, tokenize: Callable[[str], tuple[int, ...]] | None = None,
-                 journal: StepJournal | None = None, orphan_grace_seconds: float = 30.0):
+                 journal: Any = None, orphan_grace_seconds: float = 30.0):
         self.core = core
         self.tokenize = tokenize
         self.journal = journal  # StepJournal or None: what a restarted scheduler needs
