@@ -760,14 +760,10 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--scheduler-child"]:
     if json.loads(sys.argv[2])["trace_file"]:
         tracemalloc.start()
 
-    from bubblespec.scheduler.server import loop_factory
-
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _runner = asyncio.Runner(loop_factory=loop_factory())  # the scheduler's loop, as `bubblespec scheduler` runs it
     if os.environ.get("BUBBLESPEC_LOADTEST_PROFILE"):  # diagnosis: cProfile of the scheduler, written at exit
         import cProfile
 
-        cProfile.run("_runner.run(_serve_child(json.loads(sys.argv[2])))", os.environ["BUBBLESPEC_LOADTEST_PROFILE"])
+        cProfile.run("asyncio.run(_serve_child(json.loads(sys.argv[2])))", os.environ["BUBBLESPEC_LOADTEST_PROFILE"])
     else:
-        _runner.run(_serve_child(json.loads(sys.argv[2])))
-    _runner.close()
+        asyncio.run(_serve_child(json.loads(sys.argv[2])))

@@ -14,6 +14,7 @@ served or refused by name (``request_fields``: an allow-list of vLLM 0.32's fiel
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -442,32 +443,20 @@ def _header_flag(request: Request, name: str) -> bool:
 async def until_disconnected(request: Request, work):
     """Await ``work`` unless the caller disconnects first: then cancel it (its requests are
     aborted on the workers, ``SchedulerService.run_requests``) and return None, as vLLM's
-    ``with_cancellation`` does. A stream needs none of this: Starlette cancels it.
-
-    ``work`` runs in the handler's own task, and one task watches the connection: when it sees
-    the caller gone it cancels the handler's task, which this call turns into None (a
-    cancellation from anywhere else propagates). One task per call, not two and a wait."""
-    handler = asyncio.current_task()  # a route handler's: never None
-    gone: list[bool] = []
-
-    def on_gone(watch: asyncio.Future) -> None:
-        if not watch.cancelled():
-            watch.exception()  # retrieved: a failed watch counts as the caller gone, as before
-            gone.append(True)
-            handler.cancel()
-
-    watch = asyncio.ensure_future(_disconnect(request))
-    watch.add_done_callback(on_gone)
+    ``with_cancellation`` does. A stream needs none of this: Starlette cancels it."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
     try:
-        return await work
-    except asyncio.CancelledError:
-        if not gone:
-            raise
-        handler.uncancel()
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler is cancelled: the work never outlives its caller
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled() or not task.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
         return None
-    finally:  # the work never outlives its caller: it is the caller's own task
-        watch.remove_done_callback(on_gone)
-        watch.cancel()
+    return task.result()
 
 
 async def _disconnect(request: Request) -> None:

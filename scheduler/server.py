@@ -111,10 +111,8 @@ class Scheduler:
         import uvicorn
 
         from bubblespec.scheduler.http import create_app
-        from bubblespec.scheduler.http_hot import hot_routes
 
-        # the completions routes in front of FastAPI's per-request machinery (http_hot.py)
-        config = uvicorn.Config(hot_routes(create_app(self)), host=self.host, port=self.settings.http_port,
+        config = uvicorn.Config(create_app(self), host=self.host, port=self.settings.http_port,
                                 log_level="warning", lifespan="off")
         self._http = uvicorn.Server(config)
         self._http.install_signal_handlers = lambda: None
@@ -236,19 +234,7 @@ async def serve(settings: SchedulerSettings) -> None:
 
 
 def run(settings: SchedulerSettings) -> None:
-    with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        runner.run(serve(settings))
-
-
-def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's event loop when it is installed (it comes with vLLM and with uvicorn[standard]),
-    else None: asyncio's default. The scheduler's event loop carries every HTTP call and worker
-    stream; uvloop's loop, written in C, costs less of its CPU per call (docs/LOAD.md)."""
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
+    asyncio.run(serve(settings))
 
 
 GC_YOUNG_THRESHOLD = 50_000
