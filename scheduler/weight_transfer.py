@@ -245,7 +245,7 @@ async def _abort(scheduler: SchedulerApp, body: dict) -> dict:
     if version is not None:
         scheduler.service.execute(transfer.abort({}, f"the weight update to version {version} was aborted "
                                                      f"(POST /abort_weight_update); the cluster stays at version "
-                                                     f"{scheduler.service.core.version}"))
+                                                     f"{scheduler.service.core.policy_version}"))
         logger.warning("weight transfer: update to policy version %d aborted", version)
     answers = await _close_open(scheduler)
     if not all(a.ok for a in answers.values()):
