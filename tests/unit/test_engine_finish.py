@@ -38,7 +38,7 @@ def _output(tokens, reason, finished):
     logprobs = [{t: SimpleNamespace(logprob=-0.5)} for t in tokens]
     return SimpleNamespace(outputs=[SimpleNamespace(token_ids=tokens, logprobs=logprobs, text="t", finish_reason=reason,
                                                    stop_reason=None)],
-                           finished=finished)
+                           finished=finished, prompt_logprobs=None, num_cached_tokens=0)
 
 
 def engine_with(llm: FakeLLM) -> VllmEngine:
