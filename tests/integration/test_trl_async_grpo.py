@@ -25,6 +25,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
+from tests.integration.test_trl_grpo import StepSpy
+
 pytest.importorskip("trl")
 pytest.importorskip("aiohttp")
 
@@ -36,22 +38,6 @@ PROBE = {"prompt": "1+2=", "max_tokens": 4, "temperature": 0, "logprobs": 0, "re
 def char_reward(completions, **kwargs) -> list[float]:
     """Varied rewards (nonzero advantages, real gradients); module-level: TRL pickles it into its rollout child."""
     return [float(sum(map(ord, str(c))) % 7) for c in completions]
-
-
-class StepSpy:
-    """Wraps ``service.run_requests``: the spec of each call the HTTP routes ran, and the policy
-    versions of the completions it returned."""
-
-    def __init__(self, service):
-        self.real, self.steps = service.run_requests, []
-
-    async def __call__(self, spec, *args, **kwargs):
-        record = {"spec": spec, "versions": set(), "completions": 0}
-        self.steps.append(record)
-        async for index, c in self.real(spec, *args, **kwargs):
-            record["versions"].add(c.policy_version)
-            record["completions"] += 1
-            yield index, c
 
 
 def _train(base_url: str, tiny_model: str, out_dir: str, weights: str):
