@@ -44,7 +44,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-__all__ = ["LlamaShape", "fit_context_profile", "fit_profile", "fit_speculation_profile", "main"]
+__all__ = ["SHAPES", "LlamaShape", "fit_context_profile", "fit_profile", "fit_speculation_profile", "main"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,14 @@ class LlamaShape:
 
 
 TINY = LlamaShape(dim=64, layers=2, heads=4, kv_heads=4, ffn=128, vocab=256)
+
+SHAPES: dict[str, LlamaShape] = {
+    "llama2-7b": LlamaShape(),
+    # Qwen2.5-7B's config.json: hidden 3,584, 28 layers, 28 query heads and 4 KV heads of 128,
+    # intermediate 18,944, vocabulary 152,064 (its q/k/v biases are left out: 0.01% of the weights).
+    "qwen2.5-7b": LlamaShape(dim=3584, layers=28, heads=28, kv_heads=4, ffn=18944, vocab=152064),
+}
+"""Measured model shapes by ``--shape`` name; ``--kv-heads`` overrides the KV heads of llama2-7b."""
 
 
 # ------------------------------------------------------------------------------------------ fit
@@ -348,7 +356,12 @@ def time_pass(model: Model, batch: int, ctx: int, q_len: int, *, all_logits: boo
 def measure(args: argparse.Namespace) -> dict:
     import torch
 
-    shape = TINY if args.tiny else LlamaShape(kv_heads=args.kv_heads)
+    if args.tiny:
+        shape = TINY
+    elif args.shape == "llama2-7b":
+        shape = LlamaShape(kv_heads=args.kv_heads)
+    else:
+        shape = SHAPES[args.shape]
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     t_start = time.perf_counter()
     model = Model(shape, args.device, dtype)
@@ -384,7 +397,7 @@ def measure(args: argparse.Namespace) -> dict:
                 report["decode"].append(point(batch, args.ctx, k))
     for ctx in [int(c) for c in args.contexts.split(",") if c]:
         for batch in [int(b) for b in args.context_batches.split(",")]:
-            for k in (0, 8):
+            for k in [int(k) for k in args.context_draft_lengths.split(",")]:
                 if batch * ctx * shape.kv_bytes_per_token_layer(2) <= kv_budget:
                     report["context"].append(point(batch, ctx, k))
     for tokens in [int(p) for p in args.prefill.split(",")]:
@@ -414,13 +427,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fit", metavar="REPORT", help="fit a saved report instead of measuring")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test")
     p.add_argument("--tiny", action="store_true", help="a 2-layer toy model (smoke test)")
-    p.add_argument("--kv-heads", type=int, default=32, help="KV heads (32: Llama-2-7B; 8: grouped-query)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama2-7b", help="the measured model's shape")
+    p.add_argument("--kv-heads", type=int, default=32, help="KV heads of llama2-7b (32: Llama-2-7B; 8: grouped-query)")
     p.add_argument("--ctx", type=int, default=1024, help="tokens already in each sequence's cache (the fitted grid)")
     p.add_argument("--batches", default="1,2,4,8,16,32,64,128,256", help="batch sizes of the grid")
     p.add_argument("--draft-lengths", default="0,1,2,4,8,16,32", help="draft tokens per sequence of the grid")
     p.add_argument("--max-tokens", type=int, default=8448, help="skip grid points scoring more tokens than this")
     p.add_argument("--contexts", default="256,4096,8192", help="extra contexts for the context sweep ('' for none)")
     p.add_argument("--context-batches", default="1,8,64", help="batch sizes of the context sweep")
+    p.add_argument("--context-draft-lengths", default="0,8", help="draft tokens per sequence of the context sweep")
     p.add_argument("--prefill", default="128,512,2048,4096", help="prompt lengths of the prefill points")
     p.add_argument("--target-seconds", type=float, default=0.4, help="replay time per point (5-40 replays)")
     p.add_argument("--no-graph", action="store_true", help="time eager passes instead of CUDA-graph replays")
