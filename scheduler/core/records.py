@@ -93,9 +93,12 @@ class StepState:
 
 
 class CoreParts(Protocol):
-    """What the core's collaborators (``Balancer``, ``Pauser``, ``WeightTransfer``, the status
-    encoder) use of ``SchedulerCore``: they take the core as this, so that none of them
-    imports ``state.py``, which imports them."""
+    """What the core's collaborators use of ``SchedulerCore``: ``Balancer`` (``balance.py``),
+    ``Mover`` (``moves.py``), ``RequestPool`` (``pool.py``), ``Pauser`` (``pause.py``),
+    ``NoWorkers`` (``liveness.py``) and the status snapshot (``status.py``, through
+    ``CoreView.status``) take the core as this, so that none of them imports ``state.py``, which
+    imports them. ``WeightTransfer`` (``transfer.py``) names ``SchedulerCore`` itself, for type
+    checking only."""
 
     settings: Any
     """``CoreSettings``."""
