@@ -10,9 +10,11 @@
   ``/resume`` is refused (409) while the engines sleep (``sleep_api``: ``/wake_up`` resumes).
 - ``POST /update_weights {"weight_dir": DIR}`` (prime-rl): the policy-version barrier, version
   = current + 1; the answer comes once every worker loaded it. ``{"update_info": {...}}`` is
-  vLLM's weight-transfer form, handled by ``bubblespec.scheduler.weight_transfer`` when that
-  module is installed. ``POST /reload_weights`` (older prime-rl): back to the weights the workers
-  started from, as a new version.
+  vLLM's weight-transfer form, always handed to ``bubblespec.scheduler.weight_transfer``, which
+  serves it only on a scheduler started with a weight-transfer backend
+  (``SchedulerSettings.weight_transfer_backend``, ``--weight-transfer-backend nccl``) and
+  otherwise refuses it with 400 naming ``weight_transfer_config``. ``POST /reload_weights``
+  (older prime-rl): back to the weights the workers started from, as a new version.
 - ``GET /server_info?config_format=json`` -> ``{"vllm_config": {...}}`` with what trainers read
   (TRL: ``model_config.logprobs_mode`` and ``model_config.dtype``, ``weight_transfer_config``,
   ``parallel_config``, ``lora_config``).
