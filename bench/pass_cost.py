@@ -202,6 +202,7 @@ class Model:
                         "n1": torch.ones(d, device=device, dtype=dtype),
                         "n2": torch.ones(d, device=device, dtype=dtype)} for _ in range(s.layers)]
         self.attention = "auto"  # or an SDPA backend every pass is pinned to (``attention_context``)
+        self.pack_gqa = False  # grouped-query attention as one head per KV head (``--pack-gqa``)
         self.caches: list[tuple] = []  # the rest is set by ``prepare`` for each measured shape
         self.mask = None
         self.rope: tuple | None = None
@@ -276,7 +277,16 @@ class Model:
             k = self._rotate(k.view(batch, q_len, s.kv_heads, hd).transpose(1, 2))
             kc[:, :, ctx:ctx + q_len].copy_(k)
             vc[:, :, ctx:ctx + q_len].copy_(v.view(batch, q_len, s.kv_heads, hd).transpose(1, 2))
-            o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=self.mask, enable_gqa=s.kv_heads != s.heads)
+            if self.pack_gqa and s.kv_heads != s.heads:
+                # each KV head's query heads as one head of group x q_len queries: the cache is read
+                # once per KV head, as vLLM's GQA-aware kernels read it (PyTorch's flash kernel with
+                # enable_gqa and a mask expands the cache to every query head). The causal order
+                # among the q_len new positions is not applied: the same bytes and, to within the
+                # q_len x q_len corner, the same arithmetic; exact for passes without drafts.
+                packed = q.reshape(batch, s.kv_heads, (s.heads // s.kv_heads) * q_len, hd)
+                o = F.scaled_dot_product_attention(packed, kc, vc).view(batch, s.heads, q_len, hd)
+            else:
+                o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=self.mask, enable_gqa=s.kv_heads != s.heads)
             o = o.transpose(1, 2).reshape(batch, q_len, s.heads * hd)
             x = x + o @ layer["o"]
             gate, up = (self._rms(x, layer["n2"]) @ layer["gate_up"]).chunk(2, dim=-1)
@@ -366,6 +376,7 @@ def measure(args: argparse.Namespace) -> dict:
     t_start = time.perf_counter()
     model = Model(shape, args.device, dtype)
     model.attention = args.attention
+    model.pack_gqa = args.pack_gqa
     weight_bytes = shape.params() * (torch.finfo(dtype).bits // 8)
     if args.device == "cpu":
         kv_budget = 1 << 30
@@ -375,7 +386,7 @@ def measure(args: argparse.Namespace) -> dict:
         kv_budget = int(free * 0.6)
         device_name = torch.cuda.get_device_name(0)
     report = {"device": device_name, "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
-              "shape": asdict(shape), "attention": args.attention, "params": shape.params(),
+              "shape": asdict(shape), "attention": args.attention, "pack_gqa": args.pack_gqa, "params": shape.params(),
               "weight_bytes": weight_bytes, "ctx": args.ctx, "kv_budget_bytes": kv_budget,
               "decode": [], "prefill": [], "context": []}
     batches = [int(b) for b in args.batches.split(",")]
@@ -442,6 +453,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention", choices=("auto", "flash", "efficient", "cudnn", "math"), default="auto",
                    help="the attention kernel: auto lets PyTorch pick for each shape; the others pin every "
                         "pass's scaled_dot_product_attention to one backend (a pass it cannot run fails)")
+    p.add_argument("--pack-gqa", action="store_true",
+                   help="grouped-query attention with each KV head's query heads packed into one head of group x "
+                        "q_len queries, so the cache is read once per KV head (the causal order among a pass's new "
+                        "positions is then not applied)")
     args = p.parse_args(argv)
     if args.fit:
         with open(args.fit) as f:

@@ -80,3 +80,13 @@ def test_a_pinned_attention_kernel_is_recorded_and_a_kernel_that_cannot_run_fail
     assert report["attention"] == "math" and len(report["decode"]) == 4
     with pytest.raises(RuntimeError, match="No viable backend"):
         main([*args, "--attention", "cudnn"])
+
+
+def test_packed_grouped_query_attention_decodes_as_the_unpacked_pass() -> None:
+    torch.manual_seed(0)
+    model = Model(replace(TINY, kv_heads=2), "cpu", torch.float32)
+    model.prepare(3, 20, 1, 1 << 30)
+    tokens = torch.randint(0, TINY.vocab, (3, 1))
+    unpacked = model.forward(tokens)
+    model.pack_gqa = True
+    assert torch.equal(model.forward(tokens), unpacked)
