@@ -17,6 +17,7 @@ from bubblespec.bench.sim.costs import (
     GPU_H100_7B_CONTEXT,
     GPU_H100_7B_FLASH,
     GPU_H100_7B_GQA,
+    GPU_H100_7B_GQA_DERIVED,
     GPU_H100_7B_PUBLISHED,
     PROFILES,
     CostProfile,
@@ -66,6 +67,7 @@ def test_step_seconds_is_linear_in_batch_drafts_and_prefill() -> None:
 def test_profiles_are_named_sourced_and_the_gpu_profile_is_its_measurement() -> None:
     assert PROFILES == {"cpu-tiny": CPU_TINY, "gpu-h100-7b": GPU_H100_7B, "gpu-h100-7b-context": GPU_H100_7B_CONTEXT,
                         "gpu-h100-7b-flash": GPU_H100_7B_FLASH, "gpu-h100-7b-gqa": GPU_H100_7B_GQA,
+                        "gpu-h100-7b-gqa-derived": GPU_H100_7B_GQA_DERIVED,
                         "gpu-h100-7b-published": GPU_H100_7B_PUBLISHED}
     assert all(p.source for p in PROFILES.values())
     # gpu-h100-7b is the fit of the H100 report it names, to three significant figures
