@@ -9,13 +9,15 @@ Completions are written back as history drafts and length history; draft jobs wr
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import logging
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -220,16 +222,16 @@ class WorkerAgent:
                         tensor_parallel_size=self.settings.engine.tensor_parallel_size,
                         accepts_assign_batches=True, accepts_resume=True)
 
-    async def _outgoing(self):
+    async def _outgoing(self) -> AsyncIterator[pb.WorkerMessage]:
         """The outbox as the stream's messages, in order. Completions waiting at once go out
         as one ``completions`` batch (``_batch``): one gRPC message for the scheduler to read
         instead of one each. A completion within ``completion_batch_seconds`` of the last
         completion message waits out the gap first, so that those ending meanwhile join it."""
-        pending = _NOTHING
+        pending: pb.WorkerMessage | None | _Nothing = _NOTHING
         gap = self.settings.completion_batch_seconds
         last = -gap
         while True:
-            msg = pending if pending is not _NOTHING else await self.outbox.get()
+            msg = pending if not isinstance(pending, _Nothing) else await self.outbox.get()
             pending = _NOTHING
             if msg is None:
                 return
@@ -268,7 +270,7 @@ class WorkerAgent:
             self._request_ended.set()
         return task
 
-    def _send(self, **kind) -> None:
+    def _send(self, **kind: Any) -> None:  # one WorkerMessage field: its message
         self.outbox.put_nowait(pb.WorkerMessage(**kind))
 
     async def _heartbeats(self) -> None:
@@ -463,7 +465,7 @@ class WorkerAgent:
                     if time.monotonic() - last_report >= self.settings.progress_seconds:
                         last_report = time.monotonic()
                         self._report_progress(key, done_before + len(out.token_ids))
-            if final is None:
+            if final is None or final.finish_reason is None:  # (a final output has its finish reason)
                 raise RuntimeError("engine ended without a final output")
             if self.version != loaded:
                 raise RuntimeError(f"the weights changed from version {loaded} to {self.version} during generation")
@@ -580,10 +582,17 @@ BATCH_MAX = 256
 """Most completions in one ``completions`` batch."""
 
 
-_NOTHING = object()
+class _Nothing(enum.Enum):
+    """No message: what ``_batch`` hands back when it took nothing that did not join."""
+
+    NOTHING = enum.auto()
 
 
-def _batch(first: pb.WorkerMessage, outbox: asyncio.Queue) -> tuple[pb.WorkerMessage, object]:
+_NOTHING = _Nothing.NOTHING
+
+
+def _batch(first: pb.WorkerMessage, outbox: asyncio.Queue[pb.WorkerMessage | None],
+           ) -> tuple[pb.WorkerMessage, pb.WorkerMessage | None | _Nothing]:
     """``first`` (a completion) and the completions queued right behind it as one message,
     and the next item taken from ``outbox`` that did not join it (``_NOTHING`` if none; it may
     be the None that ends the stream)."""

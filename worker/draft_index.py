@@ -43,6 +43,7 @@ probe stay. The length decides only what is proposed: exactness never depends on
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -337,13 +338,13 @@ class SuffixIndex:
     just after its occurrences. ``extend`` costs O(new tokens); ``propose`` compares at most
     ``max_occurrences`` occurrences over at most ``max_match`` tokens each."""
 
-    def __init__(self, rule: SuffixRule, tokens=()):
+    def __init__(self, rule: SuffixRule, tokens: Iterable[int] = ()):
         self.rule = rule
         self.tokens: list[int] = []
         self._ends: dict[tuple[int, ...], list[int]] = {}
         self.extend(tokens)
 
-    def extend(self, tokens) -> None:
+    def extend(self, tokens: Iterable[int]) -> None:
         m = self.rule.min_match
         seq = self.tokens
         for t in tokens:
@@ -400,11 +401,11 @@ class RequestDrafter:
         prompt_len: int = 0,
         match_len: int = 3,
         suffix: SuffixRule | None = None,
-        prompt_tokens=(),
+        prompt_tokens: Sequence[int] = (),
         predicted: float = 0.0,
         draft_job: bool = False,
         min_tokens: int = 0,
-    ):
+    ) -> None:
         self.key = key
         self.min_tokens = min_tokens
         """The request's ``min_tokens``: drafts never reach it from below (``propose``)."""

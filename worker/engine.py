@@ -502,7 +502,7 @@ class VllmEngine:
         text: list[str] = []
         reason = stop_reason = None
         top_n = 0 if request.draft_job else request.sampling.logprobs
-        lora = {} if request.adapter is None else {"lora_request": self.loras.request(*request.adapter)}
+        lora: dict[str, Any] = {} if request.adapter is None else {"lora_request": self.loras.request(*request.adapter)}
         async for out in self._llm.generate(prompt, self._params(request), request_id=request.key, **lora):
             c = out.outputs[0]
             tokens.extend(c.token_ids)

@@ -14,12 +14,18 @@ still running under it finish with its weights; older ones are dropped from the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.engine.async_llm import AsyncLLM
 
 __all__ = ["LOAD_OP", "UNLOAD_OP", "LoraAdapters", "LoraVersion"]
 
 LOAD_OP = "load_lora_adapter"
 UNLOAD_OP = "unload_lora_adapter"
 MAX_NAME_CHARS = 200
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -36,13 +42,13 @@ class LoraVersion:
         """The name vLLM knows it by (its prefix-cache key with ``path``)."""
         return f"{self.name}@{self.version}"
 
-    def vllm_request(self):
+    def vllm_request(self) -> LoRARequest:
         from vllm.lora.request import LoRARequest
 
         return LoRARequest(self.engine_name, self.int_id, self.path)
 
 
-def _arg(args: dict, name: str, kind: type):
+def _arg(args: dict, name: str, kind: type[_T]) -> _T:
     value = args.get(name)
     if not isinstance(value, kind) or isinstance(value, bool) or (kind is str and not value):
         raise ValueError(f"{name}: must be a{'' if kind is int else ' non-empty'} {kind.__name__}, got {value!r:.60}")
@@ -55,7 +61,7 @@ class LoraAdapters:
     def __init__(self) -> None:
         self.held: dict[str, dict[int, LoraVersion]] = {}
 
-    def request(self, name: str, version: int):
+    def request(self, name: str, version: int) -> LoRARequest:
         """vLLM's ``LoRARequest`` for (``name``, ``version``); a version not held is refused by name."""
         held = self.held.get(name, {})
         if version not in held:
@@ -64,7 +70,7 @@ class LoraAdapters:
                              f"(versions held: {have})")
         return held[version].vllm_request()
 
-    async def control(self, llm, op: str, args: dict) -> dict:
+    async def control(self, llm: AsyncLLM, op: str, args: dict) -> dict:
         """Run ``load_lora_adapter`` or ``unload_lora_adapter`` (``ControlOp``'s JSON) on ``llm``
         (vLLM's ``AsyncLLM``)."""
         if op == LOAD_OP:
@@ -80,7 +86,7 @@ class LoraAdapters:
             self.held.pop(name, None)
         return {"removed": sorted(drop)}
 
-    async def _load(self, llm, args: dict) -> dict:
+    async def _load(self, llm: AsyncLLM, args: dict) -> dict:
         import os
 
         name, path = _arg(args, "lora_name", str), _arg(args, "lora_path", str)

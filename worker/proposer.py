@@ -44,12 +44,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from bubblespec.worker.draft_index import Candidate, DraftCostFit, DraftLength, RequestDrafter, StepRate, SuffixRule
 from bubblespec.worker.tail_drafts import makespan_draft_tokens
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["BubbleSpecProposer", "BubbleSpecWorkerExtension", "check_expand_batch_to_tokens", "install_cpu_sampler_fix"]
 
@@ -67,7 +70,8 @@ def install_cpu_sampler_fix() -> None:
     import torch
     from vllm.v1.sample import rejection_sampler
 
-    def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+    def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int,
+                               replace_from: float = 0, replace_to: float = 0) -> torch.Tensor:
         counts = torch.diff(cu_num_tokens, prepend=cu_num_tokens.new_zeros(1))
         values = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
         out = torch.repeat_interleave(values, counts.to(torch.long))
@@ -94,7 +98,8 @@ def check_expand_batch_to_tokens(device: str = "cpu") -> dict:
     cu = torch.tensor([2, 3, 6], dtype=torch.int32, device=device)
     expected = [0.7, 0.7, 1.0, 1.3, 1.3, 1.3]
     try:
-        got = [float(v) for v in fn(x, cu, 6, replace_from=greedy, replace_to=1).cpu()]
+        # vLLM types replace_from int; the value it replaces is a temperature, a float in the float tensor x
+        got = [float(v) for v in fn(x, cu, 6, replace_from=greedy, replace_to=1).cpu()]  # type: ignore[arg-type]
         ok = all(abs(a - b) < 1e-6 for a, b in zip(got, expected, strict=True))
         error = ""
     except Exception as exc:  # noqa: BLE001 - an incompatible signature is a failed check, not a crash
@@ -150,7 +155,7 @@ class BubbleSpecProposer:
         if getattr(execute, "bubblespec_timed", False):  # attached before (the start-up self-check)
             return
 
-        def timed_execute_model(*args: Any, **kwargs: Any):
+        def timed_execute_model(*args: Any, **kwargs: Any) -> Any:
             self._pass_started = self.clock()
             return execute(*args, **kwargs)
 
@@ -160,7 +165,8 @@ class BubbleSpecProposer:
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """Nothing to load: drafts come from the requests."""
 
-    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, **_: Any):
+    def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray,
+                **_: Any) -> list[list[int]]:
         """One list of draft token ids per batch row. Drafts are an optimisation: an error here
         must never take the engine down, so it costs this step its drafts and is logged."""
         batch = self.runner.input_batch if self.runner is not None else None
@@ -174,7 +180,8 @@ class BubbleSpecProposer:
                 logger.exception("BubbleSpec proposer failed (%d so far); this step runs without drafts", self.errors)
             return [[] for _ in sampled_token_ids]
 
-    def _propose(self, batch, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
+    def _propose(self, batch: Any, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
+                 token_ids_cpu: np.ndarray) -> list[list[int]]:
         req_ids = list(batch.req_ids)
         cap = self.rule.batch_cap(len(req_ids))
         rows = {rid: i for i, rid in enumerate(req_ids)}
@@ -276,7 +283,7 @@ class BubbleSpecProposer:
                                   [self.rule.max_tokens] * len(plan), bare, c, [u for _, _, _, u in plan])
         return {i: int(x) for (i, _, n, _), x in zip(plan, k) if n > 0}
 
-    def _measure(self, rows: dict[str, int], sampled_token_ids) -> float:
+    def _measure(self, rows: dict[str, int], sampled_token_ids: list[list[int]]) -> float:
         """Fold this step into the batch's tokens/s (and, measuring, into the draft token's
         cost) and return the rate: 0 while the paying rule cannot act (no cost known, no rate
         yet). Nothing is measured where neither a cost is set nor one is being measured."""
