@@ -1,7 +1,7 @@
 """docs/INTEGRATIONS.md's route tables against the scheduler's HTTP app: every route a table
 lists answers on the app (with the method it names: no 404 for a missing route, no 405), and
 every route the app serves for trainers is in a table. The scheduler's own pages (health,
-status, metrics, UI) are documented in docs/OPERATIONS.md and not listed here."""
+status, metrics, UI) are in docs/SECURITY.md's "HTTP routes" and docs/METRICS.md, not listed here."""
 
 from __future__ import annotations
 
