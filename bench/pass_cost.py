@@ -44,7 +44,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-__all__ = ["SHAPES", "LlamaShape", "fit_context_profile", "fit_profile", "fit_speculation_profile", "main"]
+__all__ = ["SHAPES", "LlamaShape", "faster_of", "fit_context_profile", "fit_profile", "fit_speculation_profile", "main"]
 
 
 @dataclass(frozen=True)
@@ -175,6 +175,23 @@ def fit_context_profile(report: dict, token_budget: int = 256) -> dict:
             "points_used": len(used), "token_budget": token_budget, "max_rel_error": max(errors),
             "median_rel_error": statistics.median(errors), "flat_median_rel_error": statistics.median(flat_errors),
             "flat_max_rel_error": max(flat_errors)}
+
+
+def faster_of(reports: list[dict]) -> dict:
+    """One report whose every point is the least time any of ``reports`` measured for it (points
+    that all of them measured; the first report's other fields). For reports of one model and
+    machine under different attention layouts (``--pack-gqa`` or not), where each layout's
+    kernel loses at some shapes and an engine's kernel picks its layout by shape."""
+    def key(p: dict) -> tuple:
+        return p.get("batch"), p.get("ctx"), p.get("k"), p.get("tokens")
+
+    out = {**reports[0], "faster_of": [{"attention": r.get("attention"), "pack_gqa": r.get("pack_gqa", False)}
+                                       for r in reports]}
+    for part in ("decode", "context", "prefill"):
+        by_key = [{key(p): p for p in r.get(part, [])} for r in reports]
+        common = [k for k in by_key[0] if all(k in b for b in by_key[1:])]
+        out[part] = [min((b[k] for b in by_key), key=lambda p: p["seconds"]) for k in common]
+    return out
 
 
 # ------------------------------------------------------------------------------------ the model
@@ -435,7 +452,9 @@ def print_fit(fit: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", help="write the report (JSON) here")
-    p.add_argument("--fit", metavar="REPORT", help="fit a saved report instead of measuring")
+    p.add_argument("--fit", metavar="REPORT[,REPORT...]",
+                   help="fit a saved report instead of measuring; several (comma-separated) are fitted point by "
+                        "point on the faster of their measurements (faster_of)")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test")
     p.add_argument("--tiny", action="store_true", help="a 2-layer toy model (smoke test)")
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama2-7b", help="the measured model's shape")
@@ -459,8 +478,11 @@ def main(argv: list[str] | None = None) -> int:
                         "positions is then not applied)")
     args = p.parse_args(argv)
     if args.fit:
-        with open(args.fit) as f:
-            report = json.load(f)
+        reports = []
+        for path in args.fit.split(","):
+            with open(path) as f:
+                reports.append(json.load(f))
+        report = reports[0] if len(reports) == 1 else faster_of(reports)
     else:
         report = measure(args)
     report["fit"] = fit_profile(report)

@@ -180,25 +180,29 @@ over the measured Llama-2-7B shape's (32 layers, 32 KV heads of 128): 0.109."""
 
 GPU_H100_7B_GQA = CostProfile(
     name="gpu-h100-7b-gqa",
-    # Measured with `python3 bench/pass_cost.py --shape qwen2.5-7b --pack-gqa` on one H100 80GB
-    # HBM3, 2026-11-28: Qwen2.5-7B's shape (7.62B parameters, 28 layers, 4 KV heads of 128: 56 KiB
-    # of cache per token), bfloat16, CUDA graphs, each KV head read once (vLLM's GQA kernels; left
-    # to itself PyTorch's flash kernel expands the cache to all 28 query heads in a pass with
-    # drafts: bench/measurements/h100-qwen25-7b-expanded.json, 182 ms against 33 ms at batch 64,
-    # 16,384 tokens, 4 drafts). `fit_context_profile` over the report's 84 points with
-    # batch x k <= 256 (1,024-token grid; batch 1, 8, 64, 128 at 256-16,384 tokens, k 0, 4, 8):
-    # median relative error 6.5%, at most 34% (batch 1 at 16,384 tokens, 13.4 ms measured).
-    # The KV read per context token (18.0 ns) matches the derivation it replaced (the MHA fit's
-    # x 0.109: 18.0 ns); a draft token costs a third of the derived figure.
-    base_seconds=8.94e-3,
-    per_seq_seconds=1.15e-5,
-    per_draft_token_seconds=1.19e-5,
-    prefill_per_token_seconds=2.87e-5,
-    per_context_token_seconds=1.80e-8,
-    per_draft_context_token_seconds=4.81e-10,
-    source="bench/pass_cost.py --shape qwen2.5-7b --pack-gqa on one H100 80GB HBM3, 2026-11-28: Qwen2.5-7B shape in "
-           "plain PyTorch, bfloat16, CUDA graphs, 256- to 16,384-token contexts, fitted with the context "
-           "(bench/measurements/h100-qwen25-7b-packed.json)",
+    # Measured with `python3 bench/pass_cost.py --shape qwen2.5-7b` on one H100 80GB HBM3,
+    # 2026-11-28: Qwen2.5-7B's shape (7.62B parameters, 28 layers, 4 KV heads of 128: 56 KiB of
+    # cache per token), bfloat16, CUDA graphs, twice: with PyTorch's grouped-query attention
+    # (h100-qwen25-7b-expanded.json) and with each KV head's query heads packed into one head
+    # (`--pack-gqa`, h100-qwen25-7b-packed.json). Each layout's kernel loses badly somewhere:
+    # PyTorch's flash kernel, in a pass with drafts, reads the cache once per query head (182 ms
+    # against 33 ms packed at batch 64, 16,384 tokens, 4 drafts); packed, a lone sequence runs on
+    # 4 heads' worth of the GPU (13.4 ms against 7.9 ms at batch 1, 16,384 tokens). vLLM's kernels
+    # choose the layout by shape, so the profile is the fit of the faster of the two at each
+    # point (`--fit A,B`, bench/measurements/h100-qwen25-7b.json): `fit_context_profile` over 84
+    # points with batch x k <= 256 (the 1,024-token grid; batch 1, 8, 64, 128 at 256-16,384
+    # tokens, k 0, 4, 8), median relative error 3.0%, at most 20%. The KV read per context
+    # token (18.2 ns) is what the derived profile assumed (18.0 ns); a draft token costs 14.5 us
+    # against the derived 32.7 us.
+    base_seconds=8.32e-3,
+    per_seq_seconds=1.42e-5,
+    per_draft_token_seconds=1.45e-5,
+    prefill_per_token_seconds=2.83e-5,
+    per_context_token_seconds=1.82e-8,
+    per_draft_context_token_seconds=3.88e-10,
+    source="bench/pass_cost.py --shape qwen2.5-7b, with and without --pack-gqa, on one H100 80GB HBM3, 2026-11-28: "
+           "Qwen2.5-7B shape in plain PyTorch, bfloat16, CUDA graphs, 256- to 16,384-token contexts, the faster "
+           "layout at each point, fitted with the context (bench/measurements/h100-qwen25-7b.json)",
 )
 
 GPU_H100_7B_GQA_DERIVED = CostProfile(
