@@ -13,6 +13,11 @@
   it was.
 - ``POST /v1/unload_lora_adapter {lora_name}``: 200 ``Success: LoRA adapter '<name>' removed
   successfully.``; 404 for a name not loaded. Queued requests naming it fail; running ones finish.
+- A worker that connects after a load loads the current version of every adapter
+  (``load_on_join``, under each adapter's lock, so never beside a load or unload of it), and
+  takes that adapter's requests only once it holds it. A load that fails there is logged as an
+  error naming the worker, the adapter and the reason; that worker serves none of the adapter's
+  requests, and a request that no worker can serve is refused (503) naming it.
 - ``/v1/models`` lists each adapter as vLLM does (``parent``: the base model, ``root``: its path);
   a completion, chat or generate call whose ``model`` names an adapter runs with its current
   version, and the answer carries that version in the ``X-BubbleSpec-Adapter-Version`` header
@@ -40,8 +45,9 @@ from bubblespec.scheduler.openai_api import error as openai_error
 
 if TYPE_CHECKING:
     from bubblespec.scheduler.app import SchedulerApp
+    from bubblespec.scheduler.service import WorkerLink
 
-__all__ = ["create_router"]
+__all__ = ["create_router", "load_on_join"]
 
 logger = logging.getLogger(__name__)
 _FIELDS = ("lora_name", "lora_path", "load_inplace", "is_3d_lora_weight")
@@ -125,8 +131,48 @@ async def _unload(scheduler: SchedulerApp, body: dict) -> str:
     return f"Success: LoRA adapter '{name}' removed successfully."
 
 
+async def load_on_join(scheduler: SchedulerApp, link: WorkerLink) -> None:
+    """The worker of ``link`` connected: load on it the current version of every adapter it
+    does not hold, one by one under that adapter's lock; each one it loads, it serves from then
+    on (its queued requests are handed out); one that fails it does not serve (logged, named
+    in refusals: ``AdapterTable.join_failed``). Stops once that worker has left."""
+    service = scheduler.service
+    table = service.core.adapters
+    state = loads_of(table)
+    wid = link.worker_id
+    for name in sorted({*table.served, *table.loading}):  # a load in progress: its outcome, once it ends
+        async with state.locks.setdefault(name, asyncio.Lock()):
+            plan = table.missing(wid, name)
+            if plan is None or service.links.get(wid) is not link:
+                continue
+            args = {wid: {"lora_name": plan.name, "lora_path": plan.path, "version": plan.version,
+                          "lora_int_id": plan.int_id}}
+            answer = (await service.control.fan_out(pb.CONTROL_OP_LOAD_LORA_ADAPTER, args,
+                                                    scheduler.settings.weight_transfer_timeout_seconds))[wid]
+            if service.links.get(wid) is not link:  # it left meanwhile: a worker that comes back starts afresh
+                return
+            if not answer.ok:
+                table.join_failed(wid, plan, answer.error or "")
+                logger.error("worker %s could not load LoRA adapter %r version %d from %r when it connected: %s; it "
+                             "serves none of that adapter's requests", wid, plan.name, plan.version, plan.path,
+                             answer.error)
+            elif table.joined(wid, plan):
+                logger.info("worker %s loaded LoRA adapter %r version %d when it connected", wid, plan.name,
+                            plan.version)
+                service.execute(service.core.dispatch())  # the adapter's queued requests may go to it now
+
+
 def create_router(scheduler: SchedulerApp) -> APIRouter:
     router = APIRouter()
+    joins: set[asyncio.Task] = set()
+
+    def joined(link: WorkerLink) -> None:
+        if scheduler.service.core.adapters.served or scheduler.service.core.adapters.loading:
+            task = asyncio.get_running_loop().create_task(load_on_join(scheduler, link))
+            joins.add(task)
+            task.add_done_callback(joins.discard)
+
+    scheduler.service.on_join.append(joined)
 
     async def answer(request: Request, call) -> Response:
         if (refusal := unauthorized(scheduler, request)) is not None:

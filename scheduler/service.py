@@ -116,6 +116,8 @@ class SchedulerService:
         self.transfer = WeightTransfer(core)  # vLLM's weight-transfer group (core/transfer.py)
         self.worker_messages = WorkerMessages()  # counted by the WorkerLink servicer
         self._dispatch_due = False  # a dispatch of the pool's new requests is scheduled (``run_requests``)
+        self.on_join: list[Callable[[WorkerLink], None]] = []
+        """Called with each worker's link once it joined (``lora_api``: it loads the cluster's adapters)."""
 
     # --------------------------------------------------------------- actions --
 
@@ -151,9 +153,11 @@ class SchedulerService:
                         self.journal.finish_step(step_id)
                     logger.info("step %s finished: %d completions in %.2fs", step_id, summary.completions,
                                 summary.makespan_seconds)
-                case StepFailed(step_id, field, message):
+                case StepFailed(step_id, field, message, code):
                     logger.error("step %s failed: %s: %s", step_id, field, message)
-                    if self.journal is not None:  # a resume after a restart gets the same failure
+                    # a resume after a restart gets the same failure; one for want of workers (UNAVAILABLE) is
+                    # not final: a retry resumes from the completions journaled (core/liveness.py)
+                    if self.journal is not None and code != ErrorCode.UNAVAILABLE:
                         self.journal.save_failure(step_id, field, message)
                         self.journal.finish_step(step_id)
                     self._publish(step_id, action)
@@ -270,7 +274,7 @@ class SchedulerService:
                 await queue.wait()
                 for msg in queue.take():
                     if isinstance(msg, RequestFailed):
-                        raise InvalidRequest(msg.field, msg.message, ErrorCode.INTERNAL)
+                        raise InvalidRequest(msg.field, msg.message, msg.code)
                     key = request_key(POOL, msg.prompt_id, msg.sample_index)
                     yield index.pop(key), msg
         finally:
@@ -390,6 +394,8 @@ class SchedulerService:
         link = WorkerLink(hello.worker_id, accepts_assign_batches=accepts_assign_batches)
         self.links[hello.worker_id] = link
         self.execute(actions)
+        for hook in self.on_join:
+            hook(link)
         logger.info("worker %s joined (capacity %d, version %d)", hello.worker_id, hello.capacity, hello.policy_version)
         return link
 
@@ -447,5 +453,6 @@ async def _items(queue: Pending) -> AsyncIterator[list[Completion] | StepSummary
 
 def _failed(failure: StepFailed) -> InvalidRequest:
     """A failed step, as the trainer sees it: FAILED_PRECONDITION naming the prompt (the SDK
-    raises ``PreconditionFailed``, a fatal error: the same step id returns the same failure)."""
-    return InvalidRequest(failure.field, failure.message, ErrorCode.FAILED_PRECONDITION)
+    raises ``PreconditionFailed``, a fatal error: the same step id returns the same failure);
+    UNAVAILABLE naming ``workers`` where no worker was left (retryable: ``core/liveness.py``)."""
+    return InvalidRequest(failure.field, failure.message, failure.code)

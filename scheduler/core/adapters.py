@@ -11,8 +11,11 @@ A load is fanned out to every worker; it is done when every worker loaded it
 (``finish_load``). Where any worker failed, the load ends with an error naming them and the
 adapter stays as it was before (``abandon_load``; the shell unloads that version from the
 workers that took it). A worker holds the versions it loaded: requests with an adapter go only
-to workers that hold its version (``holds``), so one that connects after a load gets none
-until the next load.
+to workers that hold its version (``holds``). A worker that connects after a load loads the
+current version of every adapter (``missing``, then ``joined``; the shell's
+``lora_api.load_on_join``) and takes none of an adapter's requests before; one whose load
+fails does not serve that adapter, and the failure is kept (``join_failed``) and named in the
+refusal of a request no worker can serve.
 
 Requests name an adapter by (name, version) (``RequestSpec.adapter``): the pool groups them
 by adapter and prompt (``core/pool.py``), so siblings, like the worker's history drafts
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Iterable
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +63,12 @@ class Adapter:
     int_id: int
     holders: dict[int, set[str]] = field(default_factory=dict)
     """version -> the workers that loaded it (and have not dropped it)."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """Workers that could not load the current version when they joined -> why."""
+
+    def plan(self) -> LoadPlan:
+        """Its current version, as a load of it."""
+        return LoadPlan(self.name, self.path, self.version, self.int_id)
 
 
 class AdapterTable:
@@ -110,6 +119,7 @@ class AdapterTable:
         else:
             adapter.path, adapter.version, adapter.int_id = plan.path, plan.version, plan.int_id
         adapter.holders[plan.version] = set(workers)
+        adapter.failed = {}
         for old in [v for v in adapter.holders if v < plan.version - 1]:  # workers keep the previous one only
             del adapter.holders[old]
         return adapter
@@ -149,11 +159,40 @@ class AdapterTable:
     def left(self, worker_id: str) -> None:
         """``worker_id`` left: it holds nothing (an engine that comes back starts without adapters)."""
         for adapter in self.served.values():
+            adapter.failed.pop(worker_id, None)
             for holders in adapter.holders.values():
                 holders.discard(worker_id)
 
+    # ---------------------------------------------------------------- joining --
 
-def check_adapter(table: AdapterTable, adapter: tuple[str, int], workers: Iterable[str]) -> None:
+    def missing(self, worker_id: str, name: str) -> LoadPlan | None:
+        """The current version of adapter ``name`` where ``worker_id`` (connected after its load)
+        does not hold it: what it loads before it takes the adapter's requests; None where it
+        holds it, or no adapter has that name."""
+        adapter = self.served.get(name)
+        if adapter is None or worker_id in adapter.holders.get(adapter.version, ()):
+            return None
+        return adapter.plan()
+
+    def joined(self, worker_id: str, plan: LoadPlan) -> bool:
+        """``worker_id`` loaded ``plan``: it holds that version and takes its requests. False
+        (nothing changed) where ``plan`` is no longer the adapter's current version."""
+        adapter = self.served.get(plan.name)
+        if adapter is None or adapter.version != plan.version or adapter.int_id != plan.int_id:
+            return False
+        adapter.holders.setdefault(plan.version, set()).add(worker_id)
+        adapter.failed.pop(worker_id, None)
+        return True
+
+    def join_failed(self, worker_id: str, plan: LoadPlan, reason: str) -> None:
+        """``worker_id`` could not load ``plan``: it serves none of that adapter's requests, and
+        the refusal of a request that no worker can serve names it (``check_adapter``)."""
+        adapter = self.served.get(plan.name)
+        if adapter is not None and adapter.version == plan.version:
+            adapter.failed[worker_id] = reason[:300]
+
+
+def check_adapter(table: AdapterTable, adapter: tuple[str, int], workers: Collection[str]) -> None:
     """Refuse (naming ``model``) requests for an adapter version that is not served now, or that
     no connected worker of ``workers`` (ids) holds."""
     name, version = adapter
@@ -164,8 +203,11 @@ def check_adapter(table: AdapterTable, adapter: tuple[str, int], workers: Iterab
         raise InvalidRequest("model", f"adapter '{name}' is at version {served.version}, not {version}",
                              ErrorCode.FAILED_PRECONDITION)
     if not any(table.holds(wid, adapter) for wid in workers):
-        raise InvalidRequest("model", f"no connected worker holds adapter '{name}' version {version} (a worker that "
-                             "connected after its load has none); load it again", ErrorCode.UNAVAILABLE)
+        failed = "; ".join(f"worker {wid} could not load it: {why}" for wid, why in sorted(served.failed.items())
+                           if wid in workers)
+        raise InvalidRequest("model", f"no connected worker holds adapter '{name}' version {version}"
+                             f"{f' ({failed})' if failed else ' (a worker that connects loads it first)'}; "
+                             "retry, or load it again", ErrorCode.UNAVAILABLE)
 
 
 class AdapterCommands:

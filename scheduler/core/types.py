@@ -239,6 +239,8 @@ class RequestFailed:
     key: str
     field: str
     message: str
+    code: ErrorCode = ErrorCode.INTERNAL
+    """The caller's error: ``UNAVAILABLE`` where no worker was left to run it (``core/liveness.py``)."""
 
 
 @dataclass(frozen=True)
@@ -250,12 +252,16 @@ class StepFinished:
 @dataclass(frozen=True)
 class StepFailed:
     """A step ended without a result: one of its requests failed ``max_attempts`` times
-    (``CoreSettings.max_attempts``). ``field`` names the prompt ("prompts[3]"); ``message``
-    names its prompt id, the sample, the workers tried and the last worker's reason."""
+    (``CoreSettings.max_attempts``), or no worker was connected for longer than
+    ``CoreSettings.no_worker_timeout_seconds`` (``core/liveness.py``). ``field`` names the prompt
+    ("prompts[3]"; ``workers`` for the latter); ``message`` names its prompt id, the sample, the
+    workers tried and the last worker's reason (or how long no worker was connected)."""
 
     step_id: str
     field: str
     message: str
+    code: ErrorCode = ErrorCode.FAILED_PRECONDITION
+    """The trainer's error: ``UNAVAILABLE`` for want of workers (a retry runs the step again)."""
 
 
 @dataclass(frozen=True)

@@ -147,22 +147,89 @@ async def test_while_an_adapter_loads_its_requests_wait_and_the_base_models_go_o
         await close(c)
 
 
-async def test_adapter_requests_go_only_to_workers_that_loaded_it_and_unload_refuses_later_ones():
+async def test_unload_drops_it_everywhere_and_refuses_later_requests():
     s = await started()
     c = await cluster_of(s, fakes(s, 1))
     try:
         assert (await c.post("/v1/load_lora_adapter", ADAPTER)).status_code == 200
-        late = FakeWorker(f"127.0.0.1:{s.grpc_port}", "late")
-        await late.start()
-        c.workers.append(late)
-        await wait_until(lambda: "late" in s.service.links, what="late worker connected")
-        for _ in range(4):
-            assert (await complete(c, "math")).status_code == 200
-        assert late.answered == [] and len(c.workers[0].answered) == 4  # it connected after the load
+        assert (await complete(c, "math")).status_code == 200
         r = await c.post("/v1/unload_lora_adapter", {"lora_name": "math"})
         assert r.status_code == 200 and r.text == "Success: LoRA adapter 'math' removed successfully."
         assert lora_calls(c.workers[0])[-1] == ("CONTROL_OP_UNLOAD_LORA_ADAPTER", {"lora_name": "math", "version": None})
         refused(await complete(c, "math"), 404, "model", "does not exist")
         assert [m["id"] for m in (await c.http.get("/v1/models")).json()["data"][1:]] == []
+    finally:
+        await close(c)
+
+
+async def test_a_worker_that_joins_after_a_load_loads_every_adapter_first_and_only_then_takes_its_requests():
+    s = await started()
+    c = await cluster_of(s, fakes(s, 1))
+    hold = asyncio.Event()
+    held: list[pb.ControlCall] = []
+
+    def control(call: pb.ControlCall):
+        if call.op == pb.CONTROL_OP_LOAD_LORA_ADAPTER and not hold.is_set():
+            held.append(call)
+            return FakeWorker.HOLD
+        return None
+
+    try:
+        assert (await c.post("/v1/load_lora_adapter", ADAPTER)).status_code == 200
+        r = await c.post("/v1/load_lora_adapter", {**ADAPTER, "lora_path": "/adapters/math2", "load_inplace": True})
+        assert r.status_code == 200, r.text
+        other = {"lora_name": "code", "lora_path": "/adapters/code"}
+        assert (await c.post("/v1/load_lora_adapter", other)).status_code == 200
+        late = FakeWorker(f"127.0.0.1:{s.grpc_port}", "late", control=control)
+        await late.start()
+        c.workers.append(late)
+        await wait_until(lambda: len(held) == 1, what="the late worker was asked to load the first adapter")
+        # one adapter at a time, each at its current version and engine id
+        assert lora_calls(late) == [("CONTROL_OP_LOAD_LORA_ADAPTER", {"lora_name": "code", "lora_path": "/adapters/code",
+                                                                      "version": 1, "lora_int_id": 3})]
+        for _ in range(4):  # while it loads, the adapter's requests go to the worker that holds it
+            assert (await complete(c, "code")).status_code == 200
+        assert late.answered == [] and len(c.workers[0].answered) == 4
+        hold.set()
+        late.send(control_result=pb.ControlResult(call_id=held[0].call_id, ok=True, json="{}"))
+        await wait_until(lambda: len(lora_calls(late)) == 2, what="the late worker loaded the second adapter")
+        assert lora_calls(late)[1] == ("CONTROL_OP_LOAD_LORA_ADAPTER", {
+            "lora_name": "math", "lora_path": "/adapters/math2", "version": 2, "lora_int_id": 2})
+        await wait_until(lambda: s.core.adapters.holds("late", ("math", 2)), what="the late worker holds math v2")
+        await c.workers[0].stop()  # the worker that held them from the start leaves: the late one serves both
+        c.workers.remove(c.workers[0])
+        await wait_until(lambda: set(s.core.workers) == {"late"}, what="the first worker gone")
+        for model, version in (("math", "2"), ("code", "1")):
+            r = await complete(c, model)
+            assert r.status_code == 200 and r.headers["X-BubbleSpec-Adapter-Version"] == version, r.text
+        assert len(late.answered) == 2
+    finally:
+        await close(c)
+
+
+async def test_a_load_that_fails_when_a_worker_joins_is_an_error_and_that_worker_never_runs_the_adapter(caplog):
+    s = await started()
+    c = await cluster_of(s, fakes(s, 1))
+    why = "ValueError: LoRA is not enabled on this worker's engine"
+    try:
+        assert (await c.post("/v1/load_lora_adapter", ADAPTER)).status_code == 200
+        late = FakeWorker(f"127.0.0.1:{s.grpc_port}", "late",
+                          control=lambda call: why if call.op == pb.CONTROL_OP_LOAD_LORA_ADAPTER else None)
+        with caplog.at_level("ERROR", logger="bubblespec.scheduler.lora_api"):
+            await late.start()
+            c.workers.append(late)
+            await wait_until(lambda: "late" in s.core.adapters.served["math"].failed, what="the failed load recorded")
+        assert any("worker late could not load LoRA adapter 'math' version 1" in r.getMessage() and why in r.getMessage()
+                   for r in caplog.records), caplog.text
+        for _ in range(3):
+            assert (await complete(c, "math")).status_code == 200
+        assert late.answered == [] and len(c.workers[0].answered) == 3
+        assert (await complete(c, (await c.http.get("/v1/models")).json()["data"][0]["id"])).status_code == 200
+        await c.workers[0].stop()  # the only worker that holds it leaves: no worker can serve the adapter
+        c.workers.remove(c.workers[0])
+        await wait_until(lambda: set(s.core.workers) == {"late"}, what="the first worker gone")
+        refused(await complete(c, "math"), 503, "model", "no connected worker holds adapter 'math' version 1",
+                f"worker late could not load it: {why}")
+        assert late.answered == []
     finally:
         await close(c)

@@ -163,3 +163,35 @@ def test_an_adapters_requests_are_never_moved():
     _, actions = core.submit_requests(call((5, 7)))
     base = core.steps[POOL].requests[of(actions, Assign)[0].request.key]
     assert Mover._movable(core.steps[POOL], base)
+
+
+def test_a_worker_that_joins_loads_the_current_version_of_each_adapter_and_only_then_holds_it():
+    core, _ = make_core()
+    core.add_worker(hello("a", capacity=4))
+    t = core.pool.adapters
+    loaded(t, "math")
+    loaded(t, "math", path="/lora2", inplace=True)
+    core.add_worker(hello("late", capacity=4))
+    plan = t.missing("late", "math")
+    assert (plan.name, plan.path, plan.version, plan.int_id) == ("math", "/lora2", 2, 2)
+    assert t.missing("a", "math") is None and t.missing("late", "nope") is None
+    assert not t.holds("late", ("math", 2))  # not before its load
+    _, actions = core.submit_requests(replace(call((5, 6), n=2), adapter=("math", 2)))
+    assert {a.worker_id for a in of(actions, Assign)} == {"a"}
+    assert t.joined("late", plan) and t.holds("late", ("math", 2)) and t.missing("late", "math") is None
+    loaded(t, "math", inplace=True)  # a later load: a plan of an older version no longer counts
+    assert not t.joined("late", plan) and not t.holds("late", ("math", 3))
+
+
+def test_a_load_failed_on_join_is_kept_and_named_where_no_worker_can_serve_the_adapter():
+    core, _ = make_core()
+    core.add_worker(hello("late", capacity=4))
+    t = core.pool.adapters
+    loaded(t, "math", workers=("gone",))
+    t.join_failed("late", t.missing("late", "math"), "lora_path: '/lora' is not a directory on this worker")
+    with pytest.raises(InvalidRequest) as err:
+        core.submit_requests(replace(call((5, 6)), adapter=("math", 1)))
+    assert err.value.code == ErrorCode.UNAVAILABLE and err.value.field == "model"
+    assert "worker late could not load it: lora_path: '/lora' is not a directory" in str(err.value)
+    core.remove_worker("late")  # a worker that leaves takes its failure with it
+    assert t.served["math"].failed == {}
