@@ -49,6 +49,7 @@ from bubblespec.scheduler.core.events import (
     WorkerSeen,
 )
 from bubblespec.scheduler.core.history import LengthHistory
+from bubblespec.scheduler.core.liveness import NoWorkers
 from bubblespec.scheduler.core.moves import Mover
 from bubblespec.scheduler.core.pause import Pauser
 from bubblespec.scheduler.core.pool import POOL, RequestPool, sample_sampling
@@ -99,6 +100,11 @@ class CoreSettings:
 
     worker_timeout_seconds: float = 10.0
     """A worker silent for this long is declared dead; its work is re-queued."""
+    no_worker_timeout_seconds: float | None = 60.0
+    """Once no worker has been connected for this long (every engine gone), running steps and
+    queued calls fail UNAVAILABLE (HTTP 503) naming the cause, and new ones are refused so until
+    a worker connects (``core/liveness.py``); a worker restarting within it loses no call. None:
+    wait for a worker forever."""
     straggler_ratio: float = 0.5
     """A worker slower than this share of the median throughput is a straggler."""
     straggler_grace_seconds: float = 2.0
@@ -242,6 +248,10 @@ class CoreSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}: must be a whole number >= 0, got {value!r:.40}")
+        timeout = self.no_worker_timeout_seconds
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+                                    or not timeout > 0 or timeout == float("inf")):
+            raise ValueError(f"no_worker_timeout_seconds: must be a finite number > 0 or None, got {timeout!r:.40}")
 
 
 class SchedulerCore(CoreView, AdapterCommands):
@@ -284,6 +294,7 @@ class SchedulerCore(CoreView, AdapterCommands):
         self.balancer = Balancer(self)  # which worker takes queued work (core/balance.py)
         self.mover = Mover(self)  # long requests moved to idle workers (core/moves.py)
         self.pool = RequestPool(self)  # independent calls' requests (core/pool.py)
+        self.liveness = NoWorkers(self)  # calls fail once no worker is left for too long (core/liveness.py)
 
     # ------------------------------------------------------------- workers --
 
@@ -330,6 +341,8 @@ class SchedulerCore(CoreView, AdapterCommands):
         self.pool.worker_gone(worker_id)
         now = self.clock()
         self.timing.close(w, now)
+        if not self.workers:
+            self.liveness.emptied(now)
         actions: list[Action] = []
         for key in list(w.running):
             step, req = self._unfinished(key)
@@ -392,11 +405,14 @@ class SchedulerCore(CoreView, AdapterCommands):
         """Refuse a step that conflicts with state; on resume, the existing one (with its
         delivered completions)."""
         existing = self.steps.get(spec.step_id)
+        if existing is not None and existing.spec.fingerprint == spec.fingerprint and self.liveness.retry(existing):
+            existing = None  # it failed for want of workers: it runs again (core/liveness.py)
         if existing is not None:
             if existing.spec.fingerprint != spec.fingerprint:
                 raise InvalidRequest("step_id", f"step {spec.step_id!r} exists with different content", ErrorCode.ALREADY_EXISTS)
             return step_view(existing, completions=True)
         self.pauser.check_new_step()
+        self.liveness.check("step_id")
         if self._barrier is not None:
             raise InvalidRequest("policy_version", f"the update to policy version {self._barrier.version} is still loading; "
                                  "run the step after UpdatePolicy returns", ErrorCode.FAILED_PRECONDITION)
@@ -499,6 +515,7 @@ class SchedulerCore(CoreView, AdapterCommands):
 
     def check_requests(self, spec: StepSpec) -> None:
         """Refuse (naming the field, nothing changed) a call whose requests cannot join the pool."""
+        self.liveness.check("request")
         if self._barrier is None and self.workers \
                 and not any(self.version in (w.version, w.loading) for w in self.workers.values()):
             held = ", ".join(sorted({str(w.version) for w in self.workers.values()}))
@@ -831,6 +848,7 @@ class SchedulerCore(CoreView, AdapterCommands):
             silent = f"silent for {now - w.last_seen:.1f}s"
             actions.append(Disconnect(w.hello.worker_id, silent))
             actions += self.remove_worker(w.hello.worker_id, f"worker {silent} while running it")
+        actions += self.liveness.tick(now)
         for step in [s for s in self.steps.values() if s.active and s.spec.straggler_watch]:
             actions += self._rebalance(step, now)
         if self.settings.move_long_requests:  # idle workers take over long requests (core/moves.py)
