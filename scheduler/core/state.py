@@ -412,7 +412,7 @@ class SchedulerCore(CoreView, AdapterCommands):
                 raise InvalidRequest("step_id", f"step {spec.step_id!r} exists with different content", ErrorCode.ALREADY_EXISTS)
             return step_view(existing, completions=True)
         self.pauser.check_new_step()
-        self.liveness.check("step_id")
+        self.liveness.check("workers")
         if self._barrier is not None:
             raise InvalidRequest("policy_version", f"the update to policy version {self._barrier.version} is still loading; "
                                  "run the step after UpdatePolicy returns", ErrorCode.FAILED_PRECONDITION)
@@ -515,7 +515,7 @@ class SchedulerCore(CoreView, AdapterCommands):
 
     def check_requests(self, spec: StepSpec) -> None:
         """Refuse (naming the field, nothing changed) a call whose requests cannot join the pool."""
-        self.liveness.check("request")
+        self.liveness.check("workers")
         if self._barrier is None and self.workers \
                 and not any(self.version in (w.version, w.loading) for w in self.workers.values()):
             held = ", ".join(sorted({str(w.version) for w in self.workers.values()}))

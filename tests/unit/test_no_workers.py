@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from bubblespec.client.types import Completion, FinishReason, Prompt, SamplingParams
-from bubblespec.scheduler.core.state import CoreSettings, SchedulerCore
+from bubblespec.scheduler.core.settings import CoreSettings
+from bubblespec.scheduler.core.state import SchedulerCore
 from bubblespec.scheduler.core.types import (
     Assign,
     ErrorCode,
@@ -77,8 +78,8 @@ def test_past_the_timeout_running_steps_and_calls_fail_unavailable_once_and_new_
     clock.now = 90.0
     assert [a for a in core.tick() if isinstance(a, (StepFailed, RequestFailed))] == []  # answered once
 
-    refused(lambda: core.submit_step(spec("s3")), "step_id")
-    refused(lambda: core.submit_requests(spec("call2")), "request")
+    refused(lambda: core.submit_step(spec("s3")), "workers")
+    refused(lambda: core.submit_requests(spec("call2")), "workers")
 
 
 def test_a_worker_that_connects_resumes_service_and_a_failed_step_runs_again_under_its_id():
@@ -87,7 +88,7 @@ def test_a_worker_that_connects_resumes_service_and_a_failed_step_runs_again_und
     core.remove_worker("w")
     clock.now = 11.0
     assert [a.step_id for a in core.tick() if isinstance(a, StepFailed)] == ["s1"]
-    refused(lambda: core.check_step(spec("s1")), "step_id")  # its retry, while still no worker
+    refused(lambda: core.check_step(spec("s1")), "workers")  # its retry, while still no worker
 
     clock.now = 20.0
     core.add_worker(WorkerHello("w2", 4, 0, LIMITS))
