@@ -91,7 +91,7 @@ async def run_arm(affinity: bool, work: Workload, engine: str, workers: int, by_
 
     from bubblespec.bench.load_engine import LoadEngineSettings, LoadTestEngine
     from bubblespec.cli.commands import Cluster
-    from bubblespec.scheduler.core.state import CoreSettings
+    from bubblespec.scheduler.core.settings import CoreSettings
     from bubblespec.scheduler.settings import SchedulerSettings
     from bubblespec.worker.engine import EngineSettings
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from bubblespec.bench.machine import SpeedProbe, mean_of_cores, reference_ms
 from bubblespec.client import AsyncRolloutClient, SamplingParams, SchedulingPolicy, StepResult
-from bubblespec.scheduler.core.state import CoreSettings
+from bubblespec.scheduler.core.settings import CoreSettings
 
 __all__ = ["ARMS", "BenchConfig", "run_bench", "workload_model"]
 

@@ -225,7 +225,7 @@ class _SchedulerProcess:
 
 async def _serve_child(config: dict) -> None:
     """Body of the scheduler child: the real Scheduler, its ports on stdout, SIGTERM to stop."""
-    from bubblespec.scheduler.core.state import CoreSettings
+    from bubblespec.scheduler.core.settings import CoreSettings
     from bubblespec.scheduler.server import Scheduler
     from bubblespec.scheduler.settings import SchedulerSettings
 

@@ -70,7 +70,7 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
     _add(p, "tls-client-ca-file", "", "PEM CA for client certificates (mutual TLS)")
     _add(p, "default-policy", "queue", "policy of steps that name none: static | queue | longest-first")
     _add(p, "default-logprobs-mode", "processed", "logprobs of steps that name none: processed | raw")
-    from bubblespec.scheduler.core.state import CoreSettings  # pure: no grpc, vLLM or torch
+    from bubblespec.scheduler.core.settings import CoreSettings  # pure: no grpc, vLLM or torch
 
     defaults = CoreSettings()
     _add(p, "spread-samples", defaults.spread_samples, "hand out the shared queue a request at a time, a prompt's samples "
@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "show whether future drafts pay (the scheduler's default)")
     _add(bench, "spread-samples", False, "hand out the shared queue a request at a time, a prompt's samples spread "
                                          "over the workers, not a sample group at a time (the scheduler's default)")
-    from bubblespec.scheduler.core.state import CoreSettings  # pure: no grpc, vLLM or torch
+    from bubblespec.scheduler.core.settings import CoreSettings  # pure: no grpc, vLLM or torch
 
     _add(bench, "min-requests-beside-draft-jobs-at-tail", CoreSettings.min_requests_beside_draft_jobs_at_tail,
          "at a step's tail, no draft job beside fewer requests than this on a worker (the scheduler's default)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from bubblespec.client.types import SchedulingPolicy
-from bubblespec.scheduler.core.state import CoreSettings
+from bubblespec.scheduler.core.settings import CoreSettings
 from bubblespec.scheduler.core.validate import Limits
 
 __all__ = ["SchedulerSettings"]

@@ -20,7 +20,7 @@ import statistics
 import time
 
 from bubblespec.client.types import Prompt, SamplingParams
-from bubblespec.scheduler.core.state import CoreSettings
+from bubblespec.scheduler.core.settings import CoreSettings
 from bubblespec.scheduler.core.types import ModelLimits, WorkerHello
 from bubblespec.scheduler.core.validate import Limits, build_step
 from bubblespec.scheduler.server import Scheduler

@@ -26,7 +26,7 @@ from bubblespec.bench.sim.reasoning import (REASONING_ACCEPTANCE, REASONING_LENG
 from bubblespec.bench.sim.report import closing_lines, sensitivity_lines
 from bubblespec.bench.sim.simulator import SimResult, SimSettings, simulate
 from bubblespec.bench.sim.workload import AcceptanceModel, LengthModel, Workload
-from bubblespec.scheduler.core.state import CoreSettings
+from bubblespec.scheduler.core.settings import CoreSettings
 
 __all__ = ["format_table", "main"]
 

@@ -37,7 +37,8 @@ from bubblespec.client.types import (
     SourceStats,
     StepSummary,
 )
-from bubblespec.scheduler.core.state import CoreSettings, SchedulerCore
+from bubblespec.scheduler.core.settings import CoreSettings
+from bubblespec.scheduler.core.state import SchedulerCore
 from bubblespec.scheduler.core.types import (
     Abort,
     Action,

@@ -139,7 +139,7 @@ from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.api.v1 import rollout_pb2_grpc as pbg
 from bubblespec.client import AsyncRolloutClient, BubbleSpecError, Prompt, Retry, SamplingParams
 from bubblespec.client._base import make_generate_request
-from bubblespec.scheduler.core.state import CoreSettings
+from bubblespec.scheduler.core.settings import CoreSettings
 from bubblespec.scheduler.core.validate import Limits
 from bubblespec.scheduler.server import Scheduler
 from bubblespec.scheduler.settings import SchedulerSettings

@@ -29,7 +29,7 @@ import redis
 
 from bubblespec.client import AsyncRolloutClient, FinishReason, Provenance, Retry, SamplingParams
 from bubblespec.client.types import Completion
-from bubblespec.scheduler.core.state import CoreSettings
+from bubblespec.scheduler.core.settings import CoreSettings
 from bubblespec.scheduler.journal import StepJournal
 from bubblespec.scheduler.server import Scheduler
 from bubblespec.scheduler.settings import SchedulerSettings

@@ -18,7 +18,7 @@ import pytest
 
 from bubblespec.client import AsyncRolloutClient, FatalError, InvalidArgument, Prompt, SamplingParams
 from bubblespec.client.errors import PreconditionFailed
-from bubblespec.scheduler.core.state import CoreSettings
+from bubblespec.scheduler.core.settings import CoreSettings
 from bubblespec.scheduler.core.validate import Limits
 from bubblespec.scheduler.server import Scheduler
 from bubblespec.scheduler.settings import SchedulerSettings

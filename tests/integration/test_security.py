@@ -39,7 +39,7 @@ from bubblespec.client import (
     AsyncRolloutClient, AuthenticationFailed, ClientSettings, DeadlineExceeded, FinishReason, InvalidArgument,
     ResourceExhausted, Retry, SamplingParams, ServiceUnavailable,
 )
-from bubblespec.scheduler.core.state import CoreSettings
+from bubblespec.scheduler.core.settings import CoreSettings
 from bubblespec.scheduler.core.validate import Limits
 from bubblespec.scheduler.server import Scheduler
 from bubblespec.scheduler.settings import SchedulerSettings

@@ -21,7 +21,7 @@ import pytest
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.client import AsyncRolloutClient, SamplingParams
 from bubblespec.client.errors import FatalError
-from bubblespec.scheduler.core.state import CoreSettings
+from bubblespec.scheduler.core.settings import CoreSettings
 from bubblespec.scheduler.core.types import PolicyFailed, PolicyReady
 from bubblespec.scheduler.server import Scheduler
 from bubblespec.scheduler.settings import SchedulerSettings

@@ -21,7 +21,8 @@ from bubblespec.api.v1 import rollout_pb2_grpc as pbg
 from bubblespec.bench.load_engine import LoadEngineSettings, LoadTestEngine
 from bubblespec.client.types import SamplingParams
 from bubblespec.scheduler import wire
-from bubblespec.scheduler.core.state import CoreSettings, SchedulerCore
+from bubblespec.scheduler.core.settings import CoreSettings
+from bubblespec.scheduler.core.state import SchedulerCore
 from bubblespec.scheduler.core.types import Abort, Assign, LoadPolicy, ModelLimits, RequestSpec, WorkerHello
 from bubblespec.scheduler.server import Scheduler
 from bubblespec.scheduler.service import END, SchedulerService

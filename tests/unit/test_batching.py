@@ -23,7 +23,7 @@ from bubblespec.client import _convert as cv
 from bubblespec.client._base import StepCollector
 from bubblespec.client.types import Completion, FinishReason, Provenance, SamplingParams
 from bubblespec.scheduler import wire as wire_module
-from bubblespec.scheduler.core.state import CoreSettings
+from bubblespec.scheduler.core.settings import CoreSettings
 from bubblespec.scheduler.journal import StepJournal
 from bubblespec.scheduler.server import Scheduler
 from bubblespec.scheduler.settings import SchedulerSettings

@@ -14,7 +14,7 @@ from bubblespec.api.v1 import rollout_pb2_grpc as pbg
 from bubblespec.client import AsyncRolloutClient, ClientSettings, InvalidArgument, Retry, RolloutClient, SamplingParams
 from bubblespec.client.errors import ResourceExhausted
 from bubblespec.client._base import make_complete_request
-from bubblespec.scheduler.core.state import CoreSettings
+from bubblespec.scheduler.core.settings import CoreSettings
 from bubblespec.scheduler.server import Scheduler
 from bubblespec.scheduler.settings import SchedulerSettings
 from tests.support.fake_worker import FakeWorker, fake_tokens, wait_until

@@ -13,7 +13,8 @@ import pytest
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.client import _convert as cv
 from bubblespec.client.types import Completion, FinishReason, Prompt, SamplingParams
-from bubblespec.scheduler.core.state import CoreSettings, SchedulerCore
+from bubblespec.scheduler.core.settings import CoreSettings
+from bubblespec.scheduler.core.state import SchedulerCore
 from bubblespec.scheduler.core.types import ModelLimits, WorkerHello
 from bubblespec.scheduler.core.validate import Limits, build_step
 from bubblespec.scheduler.openai_api import create_router as create_openai_router

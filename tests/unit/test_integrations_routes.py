@@ -12,7 +12,8 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from bubblespec.scheduler.core.state import CoreSettings, SchedulerCore
+from bubblespec.scheduler.core.settings import CoreSettings
+from bubblespec.scheduler.core.state import SchedulerCore
 from bubblespec.scheduler.http import create_app
 from bubblespec.scheduler.service import SchedulerService
 from bubblespec.scheduler.settings import SchedulerSettings

@@ -19,7 +19,8 @@ import grpc
 import pytest
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.client.types import Completion, FinishReason, Provenance, SamplingParams, SchedulingPolicy, SourceStats
-from bubblespec.scheduler.core.state import CoreSettings, SchedulerCore
+from bubblespec.scheduler.core.settings import CoreSettings
+from bubblespec.scheduler.core.state import SchedulerCore
 from bubblespec.scheduler.core.types import Assign, ModelLimits, PromptSpec, StepSpec, WorkerHello
 from bubblespec.scheduler.metrics import SCHEDULER_METRICS, SchedulerMetrics
 from bubblespec.scheduler.service import SchedulerService

@@ -8,7 +8,7 @@ import pytest
 
 from bubblespec.cli.commands import _scheduler_settings
 from bubblespec.cli.main import build_parser
-from bubblespec.scheduler.core.state import CoreSettings
+from bubblespec.scheduler.core.settings import CoreSettings
 
 
 def settings(*argv: str, command: str = "scheduler"):

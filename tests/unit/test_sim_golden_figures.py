@@ -49,7 +49,8 @@ from bubblespec.bench.sim.costs import GPU_H100_7B_PUBLISHED, CostProfile
 from bubblespec.bench.sim.simulator import SimSettings, simulate
 from bubblespec.bench.sim.workload import AcceptanceModel
 from bubblespec.client.types import Provenance, SourceStats
-from bubblespec.scheduler.core.state import CoreSettings, _total
+from bubblespec.scheduler.core.settings import CoreSettings
+from bubblespec.scheduler.core.state import _total
 
 # The cpu-tiny calibration these figures were simulated with (2026-11-22), pinned here: the golden
 # figures check the simulator's arithmetic, and a new calibration of CPU_TINY must not move them.

@@ -9,7 +9,7 @@ from bubblespec.bench.sim.engine import Member, SimulatedEngine
 from bubblespec.bench.sim.simulator import SimSettings, simulate
 from bubblespec.bench.sim.workload import AcceptanceModel, LengthModel, Workload
 from bubblespec.scheduler.core.drafting import paying_draft_tokens
-from bubblespec.scheduler.core.state import CoreSettings
+from bubblespec.scheduler.core.settings import CoreSettings
 
 # a verify-heavy engine: one draft token costs as much as a whole decode step at batch 1
 COMPUTE_BOUND = CostProfile("compute-bound", base_seconds=2e-3, per_seq_seconds=1e-4, per_draft_token_seconds=2e-3,

@@ -560,7 +560,7 @@ def test_a_draft_job_started_again_verifies_its_prompts_stored_partial_first() -
 
 @pytest.mark.parametrize("drafting", [False, True])
 def test_long_requests_move_to_idle_workers_once_and_every_token_is_counted(drafting: bool) -> None:
-    from bubblespec.scheduler.core.state import CoreSettings
+    from bubblespec.scheduler.core.settings import CoreSettings
 
     one_wave = SimSettings(capacity=64, samples=4, core=CoreSettings(move_long_requests=True, min_tokens_to_move=64))
     still = run("queue", drafting, workers=16, settings=SimSettings(capacity=64, samples=4))
