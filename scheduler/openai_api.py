@@ -18,26 +18,31 @@ import contextlib
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import replace
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from bubblespec.client.types import Prompt, SamplingParams, SchedulingPolicy
-from bubblespec.scheduler.core.types import ErrorCode, InvalidRequest, ModelLimits
+from bubblespec.client.types import Completion, Prompt, SamplingParams, SchedulingPolicy
+from bubblespec.scheduler.core.types import ErrorCode, InvalidRequest, ModelLimits, StepSpec
 from bubblespec.scheduler.core.validate import Limits, build_step
 from bubblespec.scheduler.openai_prompt import check_priority, echo_logprobs, parse_prompt_logprobs, prompt_logprobs_json
 from bubblespec.scheduler.request_fields import COMPLETIONS, Refused, Served, check_fields, check_stream_options
 
 if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
     from bubblespec.scheduler.app import SchedulerApp
 
 __all__ = ["STATUS", "create_router", "error", "openai_param", "parse_prompts", "parse_sampling", "read_json",
            "unauthorized"]
 
-STATUS = {ErrorCode.INVALID_ARGUMENT: 400, ErrorCode.FAILED_PRECONDITION: 400, ErrorCode.ALREADY_EXISTS: 409,
+_T = TypeVar("_T")
+
+STATUS: dict[str, int] = {ErrorCode.INVALID_ARGUMENT: 400, ErrorCode.FAILED_PRECONDITION: 400, ErrorCode.ALREADY_EXISTS: 409,
           ErrorCode.NOT_FOUND: 404, ErrorCode.UNAVAILABLE: 503, ErrorCode.CANCELLED: 499, ErrorCode.UNAUTHENTICATED: 401,
           ErrorCode.RESOURCE_EXHAUSTED: 413, ErrorCode.INTERNAL: 500}
 """HTTP status of an ``InvalidRequest`` code, on every OpenAI-shaped route of the scheduler."""
@@ -66,7 +71,7 @@ def _refusal(exc: InvalidRequest, rename: dict[str, str] | None = None) -> JSONR
     """The OpenAI error for ``exc``; ``rename`` maps ``openai_param`` names to the route's own.
     A refusal with a retry hint (a full queue) is 429 with ``Retry-After``, which clients retry."""
     param = openai_param(exc.field)
-    param = (rename or {}).get(param, param)
+    param = (rename or {}).get(param, param) if param is not None else None
     message = str(exc) if param is None else f"{param}: {str(exc).split(': ', 1)[-1]}"
     if exc.retry_after is not None:
         return error(429, message, param, exc.retry_after)
@@ -125,7 +130,7 @@ def parse_sampling(body: dict, default_logprobs_mode: str,
         prompt_logprobs = None  # 0 with stream: vLLM computes them and sends none; BubbleSpec skips them
     top_k, seed = body.get("top_k"), body.get("seed")
 
-    def pick(name, default):
+    def pick(name: str, default: Any) -> Any:
         return default if body.get(name) is None else body[name]
 
     return SamplingParams(
@@ -143,7 +148,7 @@ _MAX_LOGPROBS = Limits().max_logprobs
 
 
 @cache
-def _decoder(path: str):
+def _decoder(path: str) -> Tokenizer:
     from pathlib import Path
 
     from tokenizers import Tokenizer
@@ -152,7 +157,7 @@ def _decoder(path: str):
     return Tokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p))
 
 
-def _logprobs(c, decode) -> dict:
+def _logprobs(c: Completion, decode: Callable[[int], str]) -> dict:
     """vLLM's completion logprobs layout: per token, ``top_logprobs`` maps the sampled token and
     then the ``logprobs`` most likely ones (a token once, at its first place) to their logprobs."""
     tokens = [decode(t) for t in c.token_ids]
@@ -167,7 +172,7 @@ def _logprobs(c, decode) -> dict:
     return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens, "top_logprobs": top}
 
 
-def _choice(c, index: int, spec, body: dict, token) -> dict:
+def _choice(c: Completion, index: int, spec: StepSpec, body: dict, token: Callable[[int], str]) -> dict:
     prompt_ids = spec.prompts[index // spec.sampling.n].token_ids
     choice = {"index": index, "text": c.text, "finish_reason": c.finish_reason.value, "stop_reason": c.stop_reason,
               "logprobs": None if body.get("logprobs") is None else _logprobs(c, token)}
@@ -196,9 +201,11 @@ class _Completions:
         self.model = scheduler.settings.model_name()
         self.rename: dict[str, str] = {}  # openai_param names -> this route's parameter names
         tok = scheduler.settings.tokenizer
-        self.text = (lambda t: _decoder(tok).decode([t], skip_special_tokens=False)) if tok else None
+        self.text: Callable[[int], str] | None = (
+            (lambda t: _decoder(tok).decode([t], skip_special_tokens=False)) if tok else None)
         as_ids = body.get("return_tokens_as_token_ids") or self.text is None
-        self.token = (lambda t: f"token_id:{t}") if as_ids else self.text  # vLLM's logprobs token strings
+        # vLLM's logprobs token strings
+        self.token: Callable[[int], str] = self.text if not as_ids and self.text is not None else _token_id
 
     def prompts(self) -> list[Prompt]:
         return parse_prompts(self.body.get("prompt"))
@@ -219,7 +226,7 @@ class _Completions:
     echo_only = False
     """``echo`` with ``max_tokens`` 0: the answer is the prompt alone (the one token run is not shown)."""
 
-    def build(self):
+    def build(self) -> StepSpec:
         s, service = self.scheduler.settings, self.scheduler.service
         model = service.core.model_limits
         if model is None:
@@ -232,7 +239,7 @@ class _Completions:
             sampling=self.sampling(model), policy=SchedulingPolicy(s.default_policy),
             limits=s.limits, model=model, tokenize=service.tokenize)
 
-    def choice(self, c, index: int, spec) -> dict:
+    def choice(self, c: Completion, index: int, spec: StepSpec) -> dict:
         choice = _choice(c, index, spec, self.body, self.token)
         if not self.body.get("stream"):  # vLLM's choices carry it (null unless asked); its stream choices do not
             choice["prompt_logprobs"] = None if spec.sampling.prompt_logprobs is None else prompt_logprobs_json(c)
@@ -240,7 +247,7 @@ class _Completions:
             self._echo(choice, c, index, spec)
         return choice
 
-    def _echo(self, choice: dict, c, index: int, spec) -> None:
+    def _echo(self, choice: dict, c: Completion, index: int, spec: StepSpec) -> None:
         """vLLM's ``echo``: the prompt's text before the completion's (none of the completion's for
         ``max_tokens`` 0), and its tokens in the logprobs before the completion's."""
         ids = spec.prompts[index // spec.sampling.n].token_ids
@@ -276,7 +283,7 @@ class _Completions:
     """The conversation this call continues (header ``X-Session-ID``): its turns go to the
     worker that holds its prefix while that worker has room (``core/affinity.py``)."""
 
-    async def completions(self, spec):
+    async def completions(self, spec: StepSpec) -> AsyncIterator[tuple[int, dict, Completion]]:
         """(index, choice, completion) per finished choice, in the order they finish."""
         async for index, c in self.scheduler.service.run_requests(spec, self.single_version, self.session_id):
             yield index, self.choice(c, index, spec), c
@@ -285,7 +292,7 @@ class _Completions:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage}
 
-    def opening(self, spec) -> list[dict]:
+    def opening(self, spec: StepSpec) -> list[dict]:
         """Chunks streamed before the first finished choice."""
         return []
 
@@ -295,13 +302,13 @@ class _Completions:
     def usage_chunk(self, usage: dict) -> dict:
         return self.envelope([], usage)
 
-    async def whole(self, spec) -> dict:
+    async def whole(self, spec: StepSpec) -> dict:
         found = {index: (choice, c) async for index, choice, c in self.completions(spec)}
         choices = [found[i][0] for i in sorted(found)]
         return self.envelope(choices, _usage(spec, [c for _, c in found.values()]))
 
-    async def stream(self, spec):
-        done = []
+    async def stream(self, spec: StepSpec) -> AsyncIterator[str]:
+        done: list[Completion] = []
         try:
             async for _, choice, c in self.completions(spec):
                 if not done:
@@ -313,11 +320,15 @@ class _Completions:
             if isinstance(options, dict) and options.get("include_usage"):
                 yield _sse(self.usage_chunk(_usage(spec, done)))
         except InvalidRequest as exc:
-            yield f"data: {_refusal(exc, self.rename).body.decode()}\n\n"
+            yield f"data: {bytes(_refusal(exc, self.rename).body).decode()}\n\n"
         yield "data: [DONE]\n\n"
 
 
-def _usage(spec, completions) -> dict:
+def _token_id(t: int) -> str:
+    return f"token_id:{t}"
+
+
+def _usage(spec: StepSpec, completions: Iterable[Completion]) -> dict:
     prompt = sum(len(p.token_ids) for p in spec.prompts)
     generated = sum(len(c.token_ids) for c in completions)
     return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
@@ -366,12 +377,13 @@ def create_router(scheduler: SchedulerApp, chat: type[_Completions] | None = Non
         if (refusal := unauthorized(scheduler, request)) is not None:
             return refusal
         limits = scheduler.service.core.model_limits
-        card = {"id": scheduler.settings.model_name(), "object": "model", "created": int(time.time()),
+        created = int(time.time())
+        card = {"id": scheduler.settings.model_name(), "object": "model", "created": created,
                 "owned_by": "bubblespec", "root": scheduler.settings.tokenizer or None, "parent": None,
                 "max_model_len": None if limits is None else limits.max_model_len}
         from bubblespec.scheduler.lora_models import adapter_cards
 
-        return JSONResponse({"object": "list", "data": [card, *adapter_cards(scheduler, card["created"])]})
+        return JSONResponse({"object": "list", "data": [card, *adapter_cards(scheduler, created)]})
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -389,7 +401,8 @@ def create_router(scheduler: SchedulerApp, chat: type[_Completions] | None = Non
     return router
 
 
-async def _serve(scheduler: SchedulerApp, request: Request, kind: type[_Completions]) -> Response:
+async def _serve(scheduler: SchedulerApp, request: Request, kind: Callable[[SchedulerApp, dict], _Completions],
+                 ) -> Response:
     """One completions or chat call: read, check the model, build the step, answer or stream."""
     rename: dict[str, str] = {}
     try:
@@ -440,7 +453,7 @@ def _header_flag(request: Request, name: str) -> bool:
     raise InvalidRequest(name, f"must be true or false, got {raw!r:.40}")
 
 
-async def until_disconnected(request: Request, work):
+async def until_disconnected(request: Request, work: Awaitable[_T]) -> _T | None:
     """Await ``work`` unless the caller disconnects first: then cancel it (its requests are
     aborted on the workers, ``SchedulerService.run_requests``) and return None, as vLLM's
     ``with_cancellation`` does. A stream needs none of this: Starlette cancels it."""

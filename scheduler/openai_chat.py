@@ -12,20 +12,26 @@ call is refused with 400 naming ``messages``, as vLLM refuses it.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import datetime
 from functools import cache
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
 import jinja2.sandbox
 
-from bubblespec.client.types import Prompt, SamplingParams
-from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits
+from bubblespec.client.types import Completion, Prompt, SamplingParams
+from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits, StepSpec
 from bubblespec.scheduler.openai_api import _Completions, _decoder, parse_sampling
 from bubblespec.scheduler.openai_prompt import prompt_logprobs_json
 from bubblespec.scheduler.request_fields import CHAT
+
+if TYPE_CHECKING:
+    from bubblespec.scheduler.app import SchedulerApp
 
 __all__ = ["ChatCompletions", "load_chat_template", "parse_messages", "render_chat"]
 
@@ -61,22 +67,23 @@ def load_chat_template(tokenizer: str) -> tuple[str | None, dict[str, str]]:
 class _Generation(jinja2.ext.Extension):
     """transformers' ``{% generation %}`` tag (assistant-mask tracking): rendered as its body."""
 
-    tags: ClassVar[set[str]] = {"generation"}
+    tags = {"generation"}
 
-    def parse(self, parser):
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
-    def _body(self, caller):
+    def _body(self, caller: Callable[[], str]) -> str:
         return caller()
 
 
-def _raise(message):
+def _raise(message: str) -> NoReturn:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | str | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -102,7 +109,7 @@ def render_chat(template: str, messages: list[dict], special: dict[str, str]) ->
         raise InvalidRequest("messages", f"the chat template refused the conversation: {exc}") from None
 
 
-def _content(raw, i: int) -> str:
+def _content(raw: Any, i: int) -> str:
     if isinstance(raw, str):
         return raw
     if isinstance(raw, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
@@ -112,7 +119,7 @@ def _content(raw, i: int) -> str:
                                      f"({{\"type\": \"text\", \"text\": ...}}), got {raw!r:.60}")
 
 
-def parse_messages(raw) -> list[dict]:
+def parse_messages(raw: Any) -> list[dict]:
     """``messages`` as the template sees them: role, text content, and name when given. Tool
     calls, tool and function messages and non-text content are refused."""
     if not isinstance(raw, list) or not raw:
@@ -133,11 +140,11 @@ def parse_messages(raw) -> list[dict]:
     return out
 
 
-def _logprobs(c, n: int, token, text) -> dict:
+def _logprobs(c: Completion, n: int, token: Callable[[int], str], text: Callable[[int], str]) -> dict:
     """vLLM's chat logprobs: ``bytes`` are the decoded token's even when ``token`` is "token_id:<id>";
     ``top_logprobs`` lists the first ``n`` (``top_logprobs``) of the sampled token followed by the
     most likely ones (a token once, at its first place), as vLLM 0.32 lists them."""
-    def entry(t: int, lp: float, *, with_bytes_of=text) -> dict:
+    def entry(t: int, lp: float, *, with_bytes_of: Callable[[int], str] = text) -> dict:
         return {"token": token(t), "logprob": max(float(lp), -9999.0),
                 "bytes": list(with_bytes_of(t).encode("utf-8", errors="replace"))}
 
@@ -155,7 +162,7 @@ class ChatCompletions(_Completions):
 
     ID_PREFIX = "chatcmpl"
 
-    def __init__(self, scheduler, body: dict):
+    def __init__(self, scheduler: SchedulerApp, body: dict) -> None:
         super().__init__(scheduler, body)
         self.rename = {"prompt": "messages"}
         if body.get("max_completion_tokens") is not None:
@@ -195,7 +202,8 @@ class ChatCompletions(_Completions):
     prompt_logprobs: list | None = None
     """vLLM's top-level ``prompt_logprobs`` (the prompt's, from the first choice that finished)."""
 
-    def choice(self, c, index: int, spec) -> dict:
+    def choice(self, c: Completion, index: int, spec: StepSpec) -> dict:
+        assert self.text is not None, "a chat call has a tokenizer (prompts() refuses one without)"
         if spec.sampling.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = prompt_logprobs_json(c)
         message = {"role": "assistant", "content": c.text, "refusal": None, "annotations": None, "audio": None,
@@ -214,11 +222,11 @@ class ChatCompletions(_Completions):
                 "choices": choices, "service_tier": None, "system_fingerprint": None, "usage": usage,
                 "prompt_logprobs": self.prompt_logprobs, "prompt_token_ids": self._prompt_ids()}
 
-    def _chunk(self, choices: list, **extra) -> dict:
+    def _chunk(self, choices: list, **extra: Any) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
-    def opening(self, spec) -> list[dict]:
+    def opening(self, spec: StepSpec) -> list[dict]:
         """vLLM's first chunks: one role delta per choice, with the prompt's ids when asked."""
         return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}], prompt_token_ids=self._prompt_ids())

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from bubblespec.client.types import Completion
+from bubblespec.client.types import Completion, PromptLogprob
 from bubblespec.scheduler.core.types import InvalidRequest
 
 __all__ = ["check_priority", "echo_logprobs", "parse_prompt_logprobs", "prompt_logprobs_json"]
@@ -70,7 +70,7 @@ def _entry(logprob: float, rank: int, text: str) -> dict:
     return {"logprob": max(float(logprob), _FLOOR), "rank": rank, "decoded_token": text}
 
 
-def _row(p) -> dict[str, dict]:
+def _row(p: PromptLogprob) -> dict[str, dict]:
     """One position as vLLM builds it: the prompt token, then the alternatives in rank order (a
     token among them keeps its first place and takes the later entry, as a dict does)."""
     row = {str(p.token_id): _entry(p.logprob, p.rank, p.token)}
@@ -93,8 +93,9 @@ def echo_logprobs(prompt_ids: tuple[int, ...], c: Completion, k: int, token: Cal
     def name(t: int, text: str) -> str:
         return f"token_id:{t}" if as_ids else text
 
-    tokens, lps, tops = [token(prompt_ids[0])] if prompt_ids else [], [None] if prompt_ids else [], \
-        [None] if prompt_ids else []
+    tokens: list[str] = [token(prompt_ids[0])] if prompt_ids else []
+    lps: list[float | None] = [None] if prompt_ids else []
+    tops: list[dict[str, float] | None] = [None] if prompt_ids else []
     for p in c.prompt_logprobs:
         tokens.append(name(p.token_id, p.token))
         lps.append(max(float(p.logprob), _FLOOR))
@@ -103,7 +104,7 @@ def echo_logprobs(prompt_ids: tuple[int, ...], c: Completion, k: int, token: Cal
             by_id[t] = (lp, text)
         tops.append({name(t, text): max(float(lp), _FLOOR) for t, (lp, text) in list(by_id.items())[:k + 1]})
     offsets, at = [], 0
-    for t in tokens:
+    for piece in tokens:
         offsets.append(at)
-        at += len(t)
+        at += len(piece)
     return {"text_offset": offsets, "token_logprobs": lps, "tokens": tokens, "top_logprobs": tops}

@@ -25,14 +25,15 @@ from __future__ import annotations
 import functools
 import math
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from bubblespec.client.types import Prompt, SamplingParams
-from bubblespec.scheduler.core.types import ErrorCode, InvalidRequest, ModelLimits
+from bubblespec.client.types import Completion, Prompt, SamplingParams
+from bubblespec.scheduler.core.types import ErrorCode, InvalidRequest, ModelLimits, StepSpec
 from bubblespec.scheduler.core.validate import check_cache_salt
 from bubblespec.scheduler.openai_prompt import check_priority, prompt_logprobs_json
 from bubblespec.scheduler.openai_api import (
@@ -47,6 +48,8 @@ from bubblespec.scheduler.openai_api import (
 )
 
 if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
     from bubblespec.scheduler.app import SchedulerApp
 
 __all__ = ["GENERATE_FIELDS", "SAMPLING_ONLY_FIELDS", "SHARED_SAMPLING_FIELDS", "TOKENIZE_FIELDS", "GenerateCall",
@@ -212,7 +215,7 @@ class GenerateCall(_Completions):
     prompt_logprobs: list | None = None
     """vLLM's top-level ``prompt_logprobs`` (the prompt's, from the first choice that finished)."""
 
-    def choice(self, c, index: int, spec) -> dict:
+    def choice(self, c: Completion, index: int, spec: StepSpec) -> dict:
         if spec.sampling.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = prompt_logprobs_json(c)
         choice = {"index": index, "finish_reason": c.finish_reason.value, "stop_reason": getattr(c, "stop_reason", None),
@@ -227,9 +230,9 @@ class GenerateCall(_Completions):
             choice["text"] = c.text
         return choice
 
-    def _text_entry(self, token: int, lp: float, rank, top: list) -> dict:
+    def _text_entry(self, token: int, lp: float, rank: int | None, top: list) -> dict:
         """vLLM's ChatCompletionLogProbs entry: decoded tokens and their UTF-8 bytes."""
-        def one(t, x):
+        def one(t: int, x: float) -> dict:
             text = self.text(t) if self.text else None
             return {"token": text if text is not None else f"token_id:{t}", "logprob": x,
                     "bytes": None if text is None else list(text.encode("utf-8", errors="replace"))}
@@ -256,7 +259,7 @@ class GenerateCall(_Completions):
         return {"request_id": self.id, "usage": usage, "output_mode": self.mode, "choices": []}
 
 
-def _rows(c, k: int, greedy: bool) -> list[tuple]:
+def _rows(c: Completion, k: int, greedy: bool) -> list[tuple]:
     """(token, logprob, rank, top) per generated token, ``top`` as vLLM lists it: the sampled
     token, then the alternatives most likely first without it, ``max(k, 1)`` entries."""
     alternatives = getattr(c, "top_logprobs", ()) or ()
@@ -269,20 +272,20 @@ def _rows(c, k: int, greedy: bool) -> list[tuple]:
     return rows
 
 
-def _token_entry(token: int, lp: float, rank, top: list) -> dict:
-    def one(t, x, r):
+def _token_entry(token: int, lp: float, rank: int | None, top: list) -> dict:
+    def one(t: int, x: float, r: int | None) -> dict:
         return {"token_id": t, "token": f"token_id:{t}", "logprob": x, "rank": r}
     return {**one(token, lp, rank), "top_logprobs": [one(*e) for e in top]}
 
 
-def _versions(c) -> list[dict]:
+def _versions(c: Completion) -> list[dict]:
     """vLLM's weight_versions: the policy version (as a string) of each span of the output."""
     spans = getattr(c, "version_spans", ()) or ((0, c.policy_version),)
     ends = [start for start, _ in spans[1:]] + [len(c.token_ids)]
     return [{"version": str(v), "start": s, "end": e} for (s, v), e in zip(spans, ends, strict=True)]
 
 
-def _tokenizer(scheduler: SchedulerApp, field: str):
+def _tokenizer(scheduler: SchedulerApp, field: str) -> Tokenizer:
     path = scheduler.settings.tokenizer
     if not path:
         raise InvalidRequest(field, "the scheduler has no tokenizer (SchedulerSettings.tokenizer)")
@@ -341,9 +344,9 @@ def create_router(scheduler: SchedulerApp) -> APIRouter:
         if (refusal := unauthorized(scheduler, request)) is not None:
             return refusal
         call = functools.partial(GenerateCall, header_id=request.headers.get("x-request-id"))
-        return await _serve(scheduler, request, call)  # type: ignore[arg-type]
+        return await _serve(scheduler, request, call)
 
-    async def answer(request: Request, handler) -> Response:
+    async def answer(request: Request, handler: Callable[[SchedulerApp, dict], dict]) -> Response:
         if (refusal := unauthorized(scheduler, request)) is not None:
             return refusal
         try:
