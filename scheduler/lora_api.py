@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request, Response
@@ -174,7 +175,7 @@ def create_router(scheduler: SchedulerApp) -> APIRouter:
 
     scheduler.service.on_join.append(joined)
 
-    async def answer(request: Request, call) -> Response:
+    async def answer(request: Request, call: Callable[[SchedulerApp, dict], Awaitable[str]]) -> Response:
         if (refusal := unauthorized(scheduler, request)) is not None:
             return refusal
         try:

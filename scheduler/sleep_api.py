@@ -20,6 +20,7 @@ the engines would not serve. Each takes the trainer token when the scheduler has
 from __future__ import annotations
 
 import weakref
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request, Response
@@ -98,7 +99,7 @@ async def _wake_up(scheduler: SchedulerApp, request: Request) -> dict:
 def create_router(scheduler: SchedulerApp) -> APIRouter:
     router = APIRouter()
 
-    async def answer(request: Request, call) -> Response:
+    async def answer(request: Request, call: Callable[[SchedulerApp, Request], Awaitable[dict]]) -> Response:
         if (refusal := unauthorized(scheduler, request)) is not None:
             return refusal
         try:

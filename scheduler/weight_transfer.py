@@ -29,6 +29,7 @@ import logging
 import math
 import weakref
 from asyncio import Lock
+from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
@@ -132,7 +133,7 @@ async def _start(scheduler: SchedulerApp, body: dict) -> dict:
         raise WorkersFailed("abort_weight_update (closing the update rolled back before)", answers)
     version, actions = service.transfer.start()
     service.execute(actions)
-    args = {wid: {} for wid in service.transfer.members}
+    args: dict[str, dict] = {wid: {} for wid in service.transfer.members}
     answers = await _fan_out(scheduler, "start_weight_update", pb.CONTROL_OP_START_WEIGHT_UPDATE, args)
     service.transfer.started(_errors(answers))
     if not all(a.ok for a in answers.values()):
@@ -260,7 +261,7 @@ async def _close_open(scheduler: SchedulerApp) -> dict[str, ControlAnswer]:
     transfer.unclosed &= set(scheduler.service.links)
     if not transfer.unclosed or transfer.updating is not None:
         return {}
-    args = {wid: {} for wid in sorted(transfer.unclosed)}
+    args: dict[str, dict] = {wid: {} for wid in sorted(transfer.unclosed)}
     answers = await _fan_out(scheduler, "abort_weight_update", pb.CONTROL_OP_ABORT_WEIGHT_UPDATE, args)
     transfer.unclosed -= {wid for wid, a in answers.items() if a.ok}
     return answers
@@ -307,7 +308,11 @@ async def update_weights(scheduler: SchedulerApp, body: dict) -> Response:
     return await _answer(scheduler, _update, body)
 
 
-async def _answer(scheduler: SchedulerApp, call, body: dict) -> Response:
+_Call = Callable[["SchedulerApp", dict], Awaitable[dict]]
+"""A weight-transfer call: the scheduler and the request's JSON body to the JSON answer."""
+
+
+async def _answer(scheduler: SchedulerApp, call: _Call, body: dict) -> Response:
     try:
         async with _lock(scheduler):
             return JSONResponse(await call(scheduler, body))
@@ -321,7 +326,7 @@ def create_router(scheduler: SchedulerApp) -> APIRouter:
     router = APIRouter()
     scheduler.service.transfer.deadline_seconds = scheduler.settings.weight_update_deadline_seconds
 
-    async def handle(request: Request, call) -> Response:
+    async def handle(request: Request, call: _Call) -> Response:
         if (refusal := unauthorized(scheduler, request)) is not None:
             return refusal
         try:

@@ -11,7 +11,7 @@ turns what a worker's outbox holds into ``SchedulerMessage`` s with ``scheduler_
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from bubblespec.api.v1 import rollout_pb2 as pb
@@ -182,7 +182,7 @@ def scheduler_message(item: Action | pb.SchedulerMessage) -> pb.SchedulerMessage
     raise TypeError(f"not a worker message: {item!r:.80}")
 
 
-def _assignment(req: RequestSpec, predicted: float = 0.0, make=pb.Assignment,
+def _assignment(req: RequestSpec, predicted: float = 0.0, make: Callable[..., pb.Assignment] = pb.Assignment,
                 resume: Completion | None = None) -> pb.Assignment:
     """``req`` as an ``Assignment`` built by ``make``: a new message, or a batch's ``add`` (built
     in place); ``resume``: the partial it goes on from (a moved request)."""
