@@ -10,15 +10,31 @@ FastAPI's own encoding of a large dict took seconds of event-loop time at 1,024 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse
 
 if TYPE_CHECKING:
     from bubblespec.scheduler.app import SchedulerApp
 
-__all__ = ["create_app"]
+__all__ = ["SignalFreeServer", "create_app"]
+
+
+class SignalFreeServer(uvicorn.Server):
+    """uvicorn's server without its SIGINT/SIGTERM handlers: the scheduler's own (``server.run``)
+    drain the steps first, then stop it (``Scheduler.stop``). uvicorn (>= 0.29) otherwise takes
+    both signals while it serves: the first SIGTERM then closed the HTTP port (readiness, the
+    OpenAI routes) at once, during the drain, and was raised again once uvicorn had stopped.
+    (The worker's HTTP server has its own twin: the scheduler and the worker import nothing of
+    each other's.)"""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 def create_app(scheduler: SchedulerApp) -> FastAPI:

@@ -33,6 +33,7 @@ from bubblespec.scheduler.settings import SchedulerSettings
 from bubblespec.scheduler.status_view import StatusView
 
 if TYPE_CHECKING:
+    from bubblespec.scheduler.http import SignalFreeServer
     from bubblespec.scheduler.journal import StepJournal
 
 __all__ = ["Scheduler", "load_tokenizer", "run"]
@@ -69,7 +70,7 @@ class Scheduler:
         self.host = settings.bind_host()  # the address bound (set again, with its warning, by start)
         self.http_port = 0
         self._server: grpc.aio.Server | None = None
-        self._http: Any = None  # uvicorn.Server once serving
+        self._http: SignalFreeServer | None = None  # once serving
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -110,12 +111,11 @@ class Scheduler:
     async def _start_http(self) -> None:
         import uvicorn
 
-        from bubblespec.scheduler.http import create_app
+        from bubblespec.scheduler.http import SignalFreeServer, create_app
 
         config = uvicorn.Config(create_app(self), host=self.host, port=self.settings.http_port,
                                 log_level="warning", lifespan="off")
-        self._http = uvicorn.Server(config)
-        self._http.install_signal_handlers = lambda: None
+        self._http = SignalFreeServer(config)
         self._tasks.append(asyncio.create_task(self._http.serve()))
         while not self._http.started:
             await asyncio.sleep(0.02)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import uvicorn
@@ -11,7 +13,19 @@ from fastapi import FastAPI, Response
 if TYPE_CHECKING:
     from bubblespec.worker.agent import WorkerAgent
 
-__all__ = ["start_http"]
+__all__ = ["SignalFreeServer", "start_http"]
+
+
+class SignalFreeServer(uvicorn.Server):
+    """uvicorn's server without its SIGINT/SIGTERM handlers: the process's own handlers stop it
+    (``worker/main.py``, the scheduler's ``run``). uvicorn (>= 0.29) otherwise takes both signals
+    while it serves: the first SIGTERM then closes the HTTP port at once, while the process still
+    drains, and is raised again when uvicorn has stopped. (The scheduler's HTTP server has its
+    own twin: the scheduler and the worker import nothing of each other's.)"""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 async def start_http(agent: WorkerAgent, port: int) -> uvicorn.Server:
@@ -28,7 +42,6 @@ async def start_http(agent: WorkerAgent, port: int) -> uvicorn.Server:
         body, content_type = render(agent)
         return Response(body, media_type=content_type)
 
-    server = uvicorn.Server(uvicorn.Config(app, host="0.0.0.0", port=port, log_level="warning", lifespan="off"))
-    server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]
+    server = SignalFreeServer(uvicorn.Config(app, host="0.0.0.0", port=port, log_level="warning", lifespan="off"))
     asyncio.create_task(server.serve())
     return server
