@@ -46,7 +46,7 @@ from typing import Any
 try:
     import torch
     from torch.utils.data import SequentialSampler
-    from transformers import TrainerCallback
+    from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
     from trl.generation.vllm_client import VLLMClient
     from trl.generation.vllm_generation import VLLMGeneration
     from trl.trainer.utils import RepeatSampler
@@ -230,19 +230,20 @@ class BubbleSpecLookahead(TrainerCallback):
         self.failures = 0
         self.last_error: str | None = None
 
-    def on_train_begin(self, args, state, control, train_dataloader=None, processing_class=None, **kwargs):
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       train_dataloader: Any = None, processing_class: Any = None, **kwargs: Any) -> None:
         self._setup(args, train_dataloader, processing_class)
         self._announce(state)
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._announce(state)
 
-    def on_train_end(self, args, state, control, **kwargs):
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self._owns_client and self._client is not None:
             self._client.close()
             self._client = None
 
-    def _setup(self, args, dataloader, processing_class) -> None:
+    def _setup(self, args: Any, dataloader: Any, processing_class: Any) -> None:
         self.shape = RoundShape.from_args(args)
         self.sampling = lookahead_sampling(args)
         sampler = find_sampler(dataloader)
@@ -259,7 +260,7 @@ class BubbleSpecLookahead(TrainerCallback):
             self._tokenize = functools.partial(tokenize_prompts, processing_class,
                                                chat_template_kwargs=getattr(args, "chat_template_kwargs", None))
 
-    def _announce(self, state) -> None:
+    def _announce(self, state: TrainerState) -> None:
         if self.schedule is None or not state.is_world_process_zero:
             return
         first = self.shape.next_round(state.global_step)
@@ -272,6 +273,8 @@ class BubbleSpecLookahead(TrainerCallback):
 
     def _announce_round(self, r: int) -> bool:
         try:
+            if self.schedule is None or self._tokenize is None:  # (``_announce`` calls it once train begin set both)
+                raise RuntimeError("the prompt order is not known: nothing to announce before train begin")
             indices = self.schedule.round(r)
             if indices is None:
                 return False
@@ -297,11 +300,11 @@ class BubbleSpecVLLMClient(VLLMClient):
     """TRL's ``VLLMClient`` that sends ``Authorization: Bearer <token>`` on every call, with
     ``update_weights_from_directory`` for the scheduler's ``/update_weights {"weight_dir"}``."""
 
-    def __init__(self, *args, token: str = "", **kwargs):
+    def __init__(self, *args: Any, token: str = "", **kwargs: Any) -> None:
         self._token = token
         super().__init__(*args, **kwargs)
 
-    def check_server(self, *args, **kwargs):
+    def check_server(self, *args: Any, **kwargs: Any) -> None:
         # VLLMClient.__init__ calls this once its session exists, before its first authenticated call
         if self._token:
             self.session.headers["Authorization"] = f"Bearer {self._token}"
@@ -323,7 +326,10 @@ class DirectoryWeightSync(VLLMGeneration):
     are kept, older ones deleted. No NCCL group is joined, so it runs on CPU trainers too.
     Construct it through ``DirectoryWeightSync.installed(...)`` around the trainer's constructor."""
 
-    def __init__(self, *args, weights_root: str | Path, token: str = "", keep: int = 2, **kwargs):
+    vllm_client: BubbleSpecVLLMClient
+    """The main process's client (``_init_vllm``)."""
+
+    def __init__(self, *args: Any, weights_root: str | Path, token: str = "", keep: int = 2, **kwargs: Any) -> None:
         if not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep: must be an int >= 1, got {keep!r}")
         self.weights_root, self.token, self.keep = Path(weights_root), token, keep
@@ -333,7 +339,8 @@ class DirectoryWeightSync(VLLMGeneration):
 
     @classmethod
     @contextmanager
-    def installed(cls, weights_root: str | Path, *, token: str = "", keep: int = 2, trainer_module: Any = None):
+    def installed(cls, weights_root: str | Path, *, token: str = "", keep: int = 2,
+                  trainer_module: Any = None) -> Iterator[functools.partial[DirectoryWeightSync]]:
         """While active, a TRL trainer constructed in the block builds this class instead of TRL's
         ``VLLMGeneration`` (``trainer_module``: default ``trl.trainer.grpo_trainer``; pass
         ``trl.trainer.rloo_trainer`` for RLOO). The trainer keeps it after the block."""
@@ -474,8 +481,11 @@ class DirectoryWeightTransfer:
         return self._model
 
 
-def _varlen_causal_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
-                             softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0, **kwargs):
+def _varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                             cu_seqlens_k: torch.Tensor, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+                             softmax_scale: float | None = None, causal: bool = True,
+                             window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                             **kwargs: Any) -> torch.Tensor:
     """``flash_attn_varlen_func``'s contract in plain torch: segment ``i`` of ``query`` (rows
     ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``) attends to rows ``cu_seqlens_k[i]:cu_seqlens_k[i+1]``
     of ``key``/``value`` with the causal mask aligned to the bottom right (the last query row
@@ -542,7 +552,7 @@ def async_grpo_on_cpu() -> Iterator[None]:
     from trl.experimental.async_grpo import async_grpo_trainer, packing
 
     saved = packing._flash_attn, async_grpo_trainer.get_peak_flops_per_device
-    packing._flash_attn = lambda: _TorchFlashAttn  # type: ignore[assignment]
+    packing._flash_attn = lambda: _TorchFlashAttn  # type: ignore[assignment]  # TRL's answers a kernels module
     async_grpo_trainer.get_peak_flops_per_device = _peak_flops_off_cuda(saved[1])
     try:
         yield
