@@ -26,6 +26,7 @@ nothing.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request, Response
@@ -34,7 +35,7 @@ from fastapi.responses import JSONResponse
 from bubblespec.scheduler import weight_transfer
 from bubblespec.scheduler.core.pause import PAUSE_MODES
 from bubblespec.scheduler.core.types import ErrorCode, InvalidRequest
-from bubblespec.scheduler.core.validate import check_weights_path
+from bubblespec.scheduler.core.validate import Limits, check_weights_path
 from bubblespec.scheduler.openai_api import _refusal, error, read_json, unauthorized
 
 if TYPE_CHECKING:
@@ -90,7 +91,7 @@ def _flag(request: Request, name: str, default: bool) -> bool:
     raise InvalidRequest(name, f"must be true or false, got {raw!r:.40}")
 
 
-def _weight_dir(body: dict, limits) -> str:
+def _weight_dir(body: dict, limits: Limits) -> str:
     path = body.get("weight_dir")
     if not isinstance(path, str) or not path:
         raise InvalidRequest("weight_dir", f"must be a non-empty string (a checkpoint directory every worker can "
@@ -137,7 +138,7 @@ async def _update(scheduler: SchedulerApp, path: str) -> dict:
 def create_router(scheduler: SchedulerApp) -> APIRouter:
     router = APIRouter()
 
-    async def answer(request: Request, handler) -> Response:
+    async def answer(request: Request, handler: Callable[[], Awaitable[dict | Response]]) -> Response:
         """Auth, then ``handler()`` (a dict, or a Response), refusals in OpenAI's error shape."""
         if (refusal := unauthorized(scheduler, request)) is not None:
             return refusal
@@ -149,14 +150,14 @@ def create_router(scheduler: SchedulerApp) -> APIRouter:
 
     @router.get("/get_world_size")
     async def get_world_size(request: Request) -> Response:
-        async def run():
+        async def run() -> dict:
             _flag(request, "include_dp", True)
             return {"world_size": world_size(scheduler)}
         return await answer(request, run)
 
     @router.post("/pause")
     async def pause(request: Request) -> Response:
-        async def run():
+        async def run() -> dict | Response:
             mode = request.query_params.get("mode", "abort")
             if mode not in PAUSE_MODES:
                 raise InvalidRequest("mode", f"must be one of {', '.join(PAUSE_MODES)}, got {mode!r:.40}")
@@ -169,7 +170,7 @@ def create_router(scheduler: SchedulerApp) -> APIRouter:
 
     @router.post("/resume")
     async def resume(request: Request) -> Response:
-        async def run():
+        async def run() -> dict | Response:
             from bubblespec.scheduler.sleep_api import sleep_of
 
             if sleep_of(scheduler).asleep:
@@ -181,13 +182,13 @@ def create_router(scheduler: SchedulerApp) -> APIRouter:
 
     @router.get("/is_paused")
     async def is_paused(request: Request) -> Response:
-        async def run():
+        async def run() -> dict:
             return {"is_paused": scheduler.service.core.paused}
         return await answer(request, run)
 
     @router.post("/update_weights")
     async def update_weights(request: Request) -> Response:
-        async def run():
+        async def run() -> dict | Response:
             body = await read_json(request, scheduler.settings.limits.max_request_bytes)
             if "update_info" in body:
                 if "weight_dir" in body:
@@ -199,13 +200,13 @@ def create_router(scheduler: SchedulerApp) -> APIRouter:
 
     @router.post("/reload_weights")
     async def reload_weights(request: Request) -> Response:
-        async def run():
+        async def run() -> dict:
             return await _update(scheduler, _base_weights(scheduler))
         return await answer(request, run)
 
     @router.get("/server_info")
     async def server_info(request: Request) -> Response:
-        async def run():
+        async def run() -> dict:
             fmt = request.query_params.get("config_format", "text")
             if fmt not in ("text", "json"):
                 raise InvalidRequest("config_format", f"must be text or json, got {fmt!r:.40}")
