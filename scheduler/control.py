@@ -48,7 +48,7 @@ class ControlCalls:
         self._pending: dict[str, tuple[str, asyncio.Future]] = {}  # call id -> (worker id, its answer)
         self._ids = itertools.count()
 
-    async def fan_out(self, op: int, args: Mapping[str, dict], timeout: float,
+    async def fan_out(self, op: pb.ControlOp, args: Mapping[str, dict], timeout: float,
                       policy_version: int = 0) -> dict[str, ControlAnswer]:
         """Send ``op`` to each worker of ``args`` (worker id -> its JSON arguments) and wait
         for every answer, at most ``timeout`` seconds in all."""
@@ -59,7 +59,7 @@ class ControlCalls:
             fut = loop.create_future()
             self._pending[call_id] = (wid, fut)
             waiting[wid] = (call_id, fut)
-            msg = pb.SchedulerMessage(control=pb.ControlCall(call_id=call_id, op=op, json=json.dumps(arguments),  # type: ignore[arg-type]
+            msg = pb.SchedulerMessage(control=pb.ControlCall(call_id=call_id, op=op, json=json.dumps(arguments),
                                                              policy_version=policy_version))
             if not self._send(wid, msg):
                 fut.set_result(ControlAnswer(wid, "not connected"))

@@ -88,7 +88,7 @@ def _enabled(scheduler: SchedulerApp) -> None:
                              "BUBBLESPEC_WEIGHT_TRANSFER_BACKEND) and its workers with the same backend")
 
 
-async def _fan_out(scheduler: SchedulerApp, call: str, op: int, args: dict[str, dict],
+async def _fan_out(scheduler: SchedulerApp, call: str, op: pb.ControlOp, args: dict[str, dict],
                    policy_version: int = 0) -> dict[str, ControlAnswer]:
     service = scheduler.service
     timeout = _timeout.get() or scheduler.settings.weight_transfer_timeout_seconds

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+from typing import Literal
 
 __all__ = ["SUPPORTED_VLLM", "UnsupportedVllm", "check_vllm_version", "installed_vllm", "require_supported_vllm"]
 
@@ -71,17 +72,17 @@ def check_vllm_version(installed: tuple[str, str] | None,
 
 
 def require_supported_vllm(allow_unsupported: bool = False,
-                           installed: tuple[str, str] | None | bool = False) -> tuple[str, str] | None:
+                           installed: tuple[str, str] | None | Literal[False] = False) -> tuple[str, str] | None:
     """Raise ``UnsupportedVllm`` unless the installed vLLM is supported. ``allow_unsupported``:
     log an error-level warning instead (vLLM must still be installed). ``installed``: the
     (distribution, version) to judge; by default the one installed here."""
     found = installed_vllm() if installed is False else installed
-    problem = check_vllm_version(found)  # type: ignore[arg-type]
+    problem = check_vllm_version(found)
     if problem is None:
-        return found  # type: ignore[return-value]
+        return found
     if not allow_unsupported or found is None:
         hint = "" if found is None else "; --allow-unsupported-vllm runs it anyway, UNVERIFIED"
         raise UnsupportedVllm(f"refusing to start: {problem}{hint}")
     logger.error("UNSUPPORTED vLLM, running anyway because allow_unsupported_vllm is set: %s. "
                  "Exactness is NOT verified on this release; the start-up self-checks still run.", problem)
-    return found  # type: ignore[return-value]
+    return found

@@ -159,7 +159,7 @@ class BubbleSpecProposer:
             self._pass_started = self.clock()
             return execute(*args, **kwargs)
 
-        timed_execute_model.bubblespec_timed = True  # type: ignore[attr-defined]
+        timed_execute_model.bubblespec_timed = True  # type: ignore[attr-defined]  # the mark attach() looks for
         runner.execute_model = timed_execute_model
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
@@ -371,17 +371,20 @@ def _valid_prefix(tokens: np.ndarray, vocab_size: int) -> np.ndarray:
 class BubbleSpecWorkerExtension:
     """Mixed into vLLM's worker class (``worker_extension_cls``); called by collective_rpc."""
 
+    model_runner: Any
+    """vLLM's worker's model runner (this class is mixed into that worker)."""
+
     def bubblespec_attach(self) -> bool:
-        drafter = getattr(self.model_runner, "drafter", None)  # type: ignore[attr-defined]
+        drafter = getattr(self.model_runner, "drafter", None)
         if isinstance(drafter, BubbleSpecProposer):
-            drafter.attach(self.model_runner)  # type: ignore[attr-defined]
+            drafter.attach(self.model_runner)
             return True
         return False
 
     def bubblespec_check_sampler(self) -> dict:
         """``check_expand_batch_to_tokens`` in this process, on this worker's device, plus
         whether this engine asked for the CPU fix (``cpu_sampler_fix`` with a proposer)."""
-        runner = self.model_runner  # type: ignore[attr-defined]
+        runner = self.model_runner
         device = runner.device
         report = check_expand_batch_to_tokens(str(device))
         extra = dict(runner.vllm_config.additional_config or {}).get(EXTRA_KEY, {})
@@ -390,11 +393,11 @@ class BubbleSpecWorkerExtension:
         return report
 
     def bubblespec_draft_cost(self) -> dict:
-        drafter = getattr(self.model_runner, "drafter", None)  # type: ignore[attr-defined]
+        drafter = getattr(self.model_runner, "drafter", None)
         return drafter.draft_cost() if isinstance(drafter, BubbleSpecProposer) else {}
 
     def bubblespec_pop_stats(self, keys: list[str]) -> dict[str, dict]:
-        drafter = getattr(self.model_runner, "drafter", None)  # type: ignore[attr-defined]
+        drafter = getattr(self.model_runner, "drafter", None)
         if isinstance(drafter, BubbleSpecProposer):
             return drafter.pop_stats(keys)
         return {}
