@@ -516,7 +516,8 @@ class VllmEngine:
             if out.finished and not request.draft_job:
                 self.prefill.add(len(request.prompt_token_ids), out.num_cached_tokens or 0)
             if not out.finished:
-                yield EngineOutput(request.key, tokens, logprobs, text, top_logprobs=tops,  # type: ignore[arg-type]
+                # live lists, not tuples, in progress outputs (see the docstring): no copy per output
+                yield EngineOutput(request.key, tokens, logprobs, text, top_logprobs=tops,  # type: ignore[arg-type]  # lists
                                    prompt_logprobs=scored)
         if reason is None:
             return
