@@ -1,24 +1,32 @@
 """LoRA adapters as models of the OpenAI routes: which adapter (and version) a call's ``model``
 names, after the adapter's load barrier, and its ``/v1/models`` cards (``lora_api.py`` serves
-the load and unload routes; the table is the core's, ``core/adapters.py``)."""
+the load and unload routes; the table is the core's, ``core/adapters.py``); and the cluster's
+LoRA config, ``/server_info``'s ``lora_config`` (``cluster_lora_config``)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import weakref
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from bubblespec.scheduler.core.types import StepSpec
+from bubblespec.scheduler.core.types import InvalidRequest, StepSpec
 
 if TYPE_CHECKING:
     from bubblespec.scheduler.app import SchedulerApp
     from bubblespec.scheduler.core.adapters import AdapterTable
 
-__all__ = ["ADAPTER_VERSION_HEADER", "adapter_cards", "adapter_for", "loads_of", "with_adapter"]
+__all__ = ["ADAPTER_VERSION_HEADER", "MAX_LORA_CONFIG_CHARS", "adapter_cards", "adapter_for", "cluster_lora_config",
+           "lora_config_of", "loads_of", "with_adapter"]
 
 ADAPTER_VERSION_HEADER = "X-BubbleSpec-Adapter-Version"
 """The answer's header with the version of the adapter a call ran with."""
+MAX_LORA_CONFIG_CHARS = 8192
+"""Longest ``Hello.lora_config`` taken (vLLM's dump of a LoRA config is about 400 characters)."""
+_LIMITS = ("max_lora_rank", "max_loras", "max_cpu_loras")
+"""Capacities of a LoRA config: the cluster's is the smallest of its workers' (a load must fit every worker)."""
 
 
 class Loads:
@@ -65,3 +73,35 @@ def adapter_cards(scheduler: SchedulerApp, created: int) -> list[dict]:
     return [] if table is None else [
         {"id": a.name, "object": "model", "created": created, "owned_by": "vllm", "root": a.path, "parent": base,
          "max_model_len": None} for a in table.served.values()]
+
+
+def lora_config_of(text: str) -> dict | None:
+    """A worker's ``Hello.lora_config`` (vLLM's dump of its engine's LoRA config, JSON; '' = LoRA
+    off) as a dict; anything but a JSON object is refused naming ``hello.lora_config``."""
+    if not text:
+        return None
+    if len(text) > MAX_LORA_CONFIG_CHARS:
+        raise InvalidRequest("hello.lora_config", f"over {MAX_LORA_CONFIG_CHARS} characters ({len(text)})")
+    try:
+        config = json.loads(text)
+    except ValueError as exc:
+        raise InvalidRequest("hello.lora_config", f"not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise InvalidRequest("hello.lora_config", f"must be a JSON object, got {type(config).__name__}")
+    return config
+
+
+def cluster_lora_config(configs: Iterable[dict | None]) -> dict | None:
+    """``/server_info``'s ``lora_config`` from the live workers' (in worker order): None unless
+    there is a worker and every one runs with LoRA (a load must succeed on all of them); the
+    first worker's config, with each capacity (``max_lora_rank``, ``max_loras``,
+    ``max_cpu_loras``) the smallest of the workers'."""
+    configs = list(configs)
+    if not configs or any(c is None for c in configs):
+        return None
+    merged = dict(configs[0])  # type: ignore[arg-type]
+    for key in _LIMITS:
+        values = [c.get(key) for c in configs if c is not None]
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            merged[key] = min(values)
+    return merged

@@ -17,7 +17,8 @@
   (older prime-rl): back to the weights the workers started from, as a new version.
 - ``GET /server_info?config_format=json`` -> ``{"vllm_config": {...}}`` with what trainers read
   (TRL: ``model_config.logprobs_mode`` and ``model_config.dtype``, ``weight_transfer_config``,
-  ``parallel_config``, ``lora_config``).
+  ``parallel_config``, ``lora_config``: vLLM's dump of the workers' LoRA config where every
+  worker runs with ``--enable-lora``, its capacities the smallest of theirs; else null).
 
 Every route takes the trainer token when the scheduler has one (401 otherwise); every refusal
 is an OpenAI error ``{"error": {message, type, param, code}}`` naming the field, and changes
@@ -36,6 +37,7 @@ from bubblespec.scheduler import weight_transfer
 from bubblespec.scheduler.core.pause import PAUSE_MODES
 from bubblespec.scheduler.core.types import ErrorCode, InvalidRequest
 from bubblespec.scheduler.core.validate import Limits, check_weights_path
+from bubblespec.scheduler.lora_models import cluster_lora_config
 from bubblespec.scheduler.openai_api import _refusal, error, read_json, unauthorized
 
 if TYPE_CHECKING:
@@ -76,7 +78,9 @@ def server_config(scheduler: SchedulerApp) -> dict:
         "parallel_config": {"world_size": ranks, "world_size_across_dp": ranks, "tensor_parallel_size": ranks,
                             "pipeline_parallel_size": 1, "data_parallel_size": 1},
         "weight_transfer_config": {"backend": backend} if backend else None,
-        "lora_config": None,  # no LoRA adapters: TRL's async trainers then sync whole weights
+        # vLLM's own dump of the workers' LoRA config where every worker runs with --enable-lora (TRL's async
+        # trainers then sync adapters: /v1/load_lora_adapter), else None (they sync whole weights)
+        "lora_config": cluster_lora_config(link.lora_config for _, link in sorted(scheduler.service.links.items())),
     }
 
 

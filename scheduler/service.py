@@ -65,6 +65,8 @@ class WorkerLink:
     worker_id: str
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
     accepts_assign_batches: bool = False
+    lora_config: dict | None = None
+    """Its engine's LoRA config as vLLM dumps it (None: LoRA off): ``/server_info``'s (``lora_models``)."""
 
     def drain(self, first: object) -> tuple[list, bool]:
         """``first`` and what else the outbox holds now, in order, up to ``END``; and whether

@@ -28,6 +28,7 @@ from bubblespec.scheduler.core.validate import (
     prompt_tokens,
     worker_message_bound,
 )
+from bubblespec.scheduler.lora_models import lora_config_of
 from bubblespec.scheduler.service import SchedulerService
 from bubblespec.scheduler.status_view import StatusView
 from bubblespec.scheduler.wire import feed, generate_responses, scheduler_messages
@@ -164,11 +165,13 @@ class WorkerLinkServicer(pbg.WorkerLinkServicer):
             if not 0 <= h.tensor_parallel_size <= MAX_TENSOR_PARALLEL:
                 raise InvalidRequest("hello.tensor_parallel_size", f"must be in [0, {MAX_TENSOR_PARALLEL}] (0 = 1), "
                                      f"got {h.tensor_parallel_size}")
+            lora_config = lora_config_of(h.lora_config)
             link = self.service.attach_worker(WorkerHello(
                 h.worker_id, h.capacity, h.policy_version, ModelLimits(h.max_model_len, h.vocab_size), h.speculation,
                 h.logprobs_mode or "processed", model=h.model, tensor_parallel_size=max(1, h.tensor_parallel_size),
                 accepts_resume=h.accepts_resume, dtype=h.dtype[:40]),
                 accepts_assign_batches=h.accepts_assign_batches)
+            link.lora_config = lora_config
         except InvalidRequest as exc:
             await _abort(context, exc)
             return

@@ -218,7 +218,7 @@ class WorkerAgent:
         return pb.Hello(worker_id=self.worker_id, capacity=self.settings.engine.max_num_seqs,
                         policy_version=self.version, max_model_len=info.max_model_len,
                         vocab_size=info.vocab_size, model=info.model, speculation=info.speculation,
-                        logprobs_mode=info.logprobs_mode, dtype=info.dtype,
+                        logprobs_mode=info.logprobs_mode, dtype=info.dtype, lora_config=info.lora_config,
                         tensor_parallel_size=self.settings.engine.tensor_parallel_size,
                         accepts_assign_batches=True, accepts_resume=True)
 

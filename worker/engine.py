@@ -173,6 +173,9 @@ class EngineInfo:
     dtype: str = ""
     """The dtype the engine runs the model in, as torch names it without ``torch.`` (e.g.
     ``bfloat16``; '' = not known): vLLM's resolved ``model_config.dtype``."""
+    lora_config: str = ""
+    """Its LoRA config as JSON, as vLLM's ``/server_info`` dumps ``lora_config`` ('' = LoRA off):
+    the scheduler's ``/server_info`` reports it (``rl_api.server_config``)."""
 
 
 @dataclass(frozen=True)
@@ -450,7 +453,8 @@ class VllmEngine:
             if not all(attached):
                 raise RuntimeError("the BubbleSpec proposer did not attach to the model runner")
         dtype = str(self._llm.model_config.dtype).removeprefix("torch.")
-        self.info = EngineInfo(s.model, s.max_model_len, vocab, spec is not None, s.logprobs_mode, dtype)
+        self.info = EngineInfo(s.model, s.max_model_len, vocab, spec is not None, s.logprobs_mode, dtype,
+                               _lora_config(self._llm.vllm_config.lora_config))
         logger.info("vLLM engine ready: model=%s vocab=%d speculation=%s", s.model, vocab, spec is not None)
 
     @property
@@ -694,6 +698,16 @@ def _engine_seed(seed: int | None) -> int:
         seed = int.from_bytes(os.urandom(4), "little") >> 1  # < 2**31: valid for every RNG vLLM seeds
         logger.info("engine seed %d (random; set EngineSettings.seed to replay it)", seed)
     return seed
+
+
+def _lora_config(config: object) -> str:
+    """vLLM's ``LoRAConfig`` (None: LoRA off) as JSON, as its ``/server_info`` dumps it
+    (pydantic's JSON mode, ``str`` for what it cannot encode, e.g. ``torch.float32``)."""
+    if config is None:
+        return ""
+    import pydantic
+
+    return json.dumps(pydantic.TypeAdapter(type(config)).dump_python(config, mode="json", fallback=str))
 
 
 def _resolve_dtype(dtype: str, model: str) -> str:

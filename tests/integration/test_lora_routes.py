@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import json
 
+import grpc
 import httpx
 
 from bubblespec.api.v1 import rollout_pb2 as pb
-from tests.integration.test_weight_transfer import OP, close, cluster_of, fakes, refused, started
+from tests.integration.test_weight_transfer import OP, close, cluster_of, fakes, refused, server_info, started
 from tests.support.fake_worker import FakeWorker, wait_until
 
 ADAPTER = {"lora_name": "math", "lora_path": "/adapters/math"}
@@ -231,5 +232,49 @@ async def test_a_load_that_fails_when_a_worker_joins_is_an_error_and_that_worker
         refused(await complete(c, "math"), 503, "model", "no connected worker holds adapter 'math' version 1",
                 f"worker late could not load it: {why}")
         assert late.answered == []
+    finally:
+        await close(c)
+
+
+LORA_CONFIG = {"max_lora_rank": 16, "max_loras": 4, "fully_sharded_loras": False, "max_cpu_loras": 4,
+               "lora_dtype": "torch.float32", "target_modules": None, "default_mm_loras": None,
+               "enable_tower_connector_lora": False, "specialize_active_lora": False,
+               "enable_mixed_moe_lora_format": False, "enable_moe_shared_loras": False, "max_lora_cls_labels": None}
+"""vLLM 0.32's dump of ``LoRAConfig(max_lora_rank=16, max_loras=4)`` on a float32 model (what its
+``/server_info`` answers; ``test_lora.py`` compares a real engine's with the scheduler's)."""
+
+
+def lora_worker(s, worker_id: str, config: dict | None | str, **kw) -> FakeWorker:
+    text = config if isinstance(config, str) else json.dumps(config) if config is not None else ""
+    hello = pb.Hello(worker_id=worker_id, capacity=4, max_model_len=512, vocab_size=128, model="fake",
+                     lora_config=text)
+    return FakeWorker(f"127.0.0.1:{s.grpc_port}", worker_id, first=pb.WorkerMessage(hello=hello), **kw)
+
+
+async def test_server_info_reports_the_workers_lora_config_only_where_every_worker_runs_with_lora():
+    s = await started()
+    small = {**LORA_CONFIG, "max_lora_rank": 8, "max_loras": 2, "max_cpu_loras": 3}
+    c = await cluster_of(s, [lora_worker(s, "a", LORA_CONFIG), lora_worker(s, "b", small)])
+    try:
+        # every worker with LoRA on: vLLM's dump, each capacity the smallest (a load must fit every worker)
+        assert (await server_info(c))["lora_config"] == {**LORA_CONFIG, "max_lora_rank": 8, "max_loras": 2,
+                                                         "max_cpu_loras": 3}
+        r = await c.http.get("/server_info")  # vLLM's default, text, carries it too
+        assert "'max_lora_rank': 8" in r.json()["vllm_config"]
+        plain = lora_worker(s, "plain", None)  # a worker without --enable-lora: adapters cannot load everywhere
+        await plain.start()
+        c.workers.append(plain)
+        await wait_until(lambda: "plain" in s.service.links, what="the plain worker connected")
+        assert (await server_info(c))["lora_config"] is None
+        await plain.stop()
+        c.workers.remove(plain)
+        await wait_until(lambda: "plain" not in s.service.links, what="the plain worker gone")
+        assert (await server_info(c))["lora_config"]["max_lora_rank"] == 8
+        for bad, why in (("[1]", "must be a JSON object"), ("{", "not JSON"), ("x" * 9000, "over 8192 characters")):
+            async with lora_worker(s, "bad", bad, heartbeat_seconds=0) as w:
+                err = await w.closed()
+            assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+            assert "hello.lora_config" in err.details() and why in err.details(), err.details()
+        assert set(s.service.links) == {"a", "b"}
     finally:
         await close(c)

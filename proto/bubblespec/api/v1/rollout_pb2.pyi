@@ -357,7 +357,7 @@ class CancelResponse(_message.Message):
     def __init__(self, cancelled_requests: _Optional[int] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("worker_id", "capacity", "policy_version", "max_model_len", "vocab_size", "model", "speculation", "logprobs_mode", "tensor_parallel_size", "accepts_assign_batches", "accepts_resume", "dtype")
+    __slots__ = ("worker_id", "capacity", "policy_version", "max_model_len", "vocab_size", "model", "speculation", "logprobs_mode", "tensor_parallel_size", "accepts_assign_batches", "accepts_resume", "dtype", "lora_config")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -370,6 +370,7 @@ class Hello(_message.Message):
     ACCEPTS_ASSIGN_BATCHES_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_RESUME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LORA_CONFIG_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     capacity: int
     policy_version: int
@@ -382,7 +383,8 @@ class Hello(_message.Message):
     accepts_assign_batches: bool
     accepts_resume: bool
     dtype: str
-    def __init__(self, worker_id: _Optional[str] = ..., capacity: _Optional[int] = ..., policy_version: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model: _Optional[str] = ..., speculation: _Optional[bool] = ..., logprobs_mode: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., accepts_assign_batches: _Optional[bool] = ..., accepts_resume: _Optional[bool] = ..., dtype: _Optional[str] = ...) -> None: ...
+    lora_config: str
+    def __init__(self, worker_id: _Optional[str] = ..., capacity: _Optional[int] = ..., policy_version: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model: _Optional[str] = ..., speculation: _Optional[bool] = ..., logprobs_mode: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., accepts_assign_batches: _Optional[bool] = ..., accepts_resume: _Optional[bool] = ..., dtype: _Optional[str] = ..., lora_config: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("running", "tokens_per_second")
