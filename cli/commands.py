@@ -47,7 +47,8 @@ def _scheduler_settings(a: argparse.Namespace, **over) -> SchedulerSettings:
             min_requests_beside_draft_jobs_at_tail=a.min_requests_beside_draft_jobs_at_tail,
             move_long_requests=a.move_long_requests,
             min_tokens_to_move=a.min_tokens_to_move,
-            move_to_workers_running_at_most=a.move_to_workers_running_at_most))
+            move_to_workers_running_at_most=a.move_to_workers_running_at_most,
+            no_worker_timeout_seconds=a.no_worker_timeout_seconds or None))
         return SchedulerSettings(**fields)
     except ValueError as exc:
         raise SystemExit(f"bubblespec: bad scheduler flag: {exc}") from None

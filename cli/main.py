@@ -90,6 +90,9 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
          "(CoreSettings.move_long_requests; docs/SIMULATOR.md)")
     _add(p, "min-tokens-to-move", defaults.min_tokens_to_move, "a request moves only once it has generated this many "
          "tokens (CoreSettings.min_tokens_to_move)")
+    _add(p, "no-worker-timeout-seconds", defaults.no_worker_timeout_seconds or 0.0, "once no worker has been connected "
+         "this long, running and queued calls fail UNAVAILABLE (HTTP 503) and new ones are refused until a worker "
+         "connects (CoreSettings.no_worker_timeout_seconds; 0: wait for a worker forever)")
     _add(p, "move-to-workers-running-at-most", defaults.move_to_workers_running_at_most, "in a step without drafts, a worker "
          "running at most this many requests and no draft job also takes over a long request from a batch more than "
          "twice its own (CoreSettings.move_to_workers_running_at_most; 0: only a worker with nothing to run)")

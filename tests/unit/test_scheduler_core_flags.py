@@ -80,3 +80,13 @@ def test_a_variable_that_is_not_its_flags_type_ends_the_command_naming_it(
     monkeypatch.setenv(var, raw)
     with pytest.raises(SystemExit, match=message):
         build_parser()
+
+
+def test_no_worker_timeout_flag_and_its_variable_0_waits_forever(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert settings().core.no_worker_timeout_seconds == 60.0
+    assert settings("--no-worker-timeout-seconds", "5").core.no_worker_timeout_seconds == 5.0
+    assert settings("--no-worker-timeout-seconds", "0").core.no_worker_timeout_seconds is None
+    monkeypatch.setenv("BUBBLESPEC_NO_WORKER_TIMEOUT_SECONDS", "2.5")
+    assert settings(command="up").core.no_worker_timeout_seconds == 2.5
+    with pytest.raises(SystemExit, match="bad scheduler flag: no_worker_timeout_seconds: must be a finite number > 0"):
+        settings("--no-worker-timeout-seconds", "-1")
