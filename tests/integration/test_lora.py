@@ -11,7 +11,8 @@ differ from the base model's; base-model requests are unaffected; a reload is th
 drafts never cross adapters or versions (history drafts of the base model, and of an earlier
 version, are not offered to the adapter's requests: the completions' draft provenance and the
 store's keys say so); a bad path fails naming ``lora_path`` with nothing changed; after an
-unload a request naming the adapter is a 404.
+unload a request naming the adapter is a 404; ``/server_info``'s ``lora_config`` is what plain
+vLLM reports for the same LoRA settings.
 """
 
 from __future__ import annotations
@@ -94,6 +95,16 @@ async def lora(tiny_model, redis_server, tmp_path_factory):
     await store.close()
     await reference.shutdown()
     await cluster.stop()
+
+
+async def test_server_info_carries_the_lora_config_plain_vllm_reports(lora):
+    from vllm.entrypoints.serve.dev.server_info.api_router import PydanticVllmConfig
+
+    # what vLLM 0.32's /server_info?config_format=json answers for an engine with the same LoRA settings
+    expected = PydanticVllmConfig.dump_python(lora.reference._llm.vllm_config, mode="json", fallback=str)["lora_config"]
+    assert expected is not None and expected["max_loras"] == 2
+    r = await lora.http.get("/server_info", params={"config_format": "json"})
+    assert r.status_code == 200 and r.json()["vllm_config"]["lora_config"] == expected, (r.json(), expected)
 
 
 async def test_adapter_completions_equal_plain_vllms_with_the_adapter_and_drafts_never_cross(lora):
