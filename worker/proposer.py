@@ -99,7 +99,7 @@ def check_expand_batch_to_tokens(device: str = "cpu") -> dict:
     expected = [0.7, 0.7, 1.0, 1.3, 1.3, 1.3]
     try:
         # vLLM types replace_from int; the value it replaces is a temperature, a float in the float tensor x
-        got = [float(v) for v in fn(x, cu, 6, replace_from=greedy, replace_to=1).cpu()]  # type: ignore[arg-type]
+        got = [float(v) for v in fn(x, cu, 6, replace_from=greedy, replace_to=1).cpu()]  # type: ignore[arg-type]  # a float
         ok = all(abs(a - b) < 1e-6 for a, b in zip(got, expected, strict=True))
         error = ""
     except Exception as exc:  # noqa: BLE001 - an incompatible signature is a failed check, not a crash

@@ -1,6 +1,6 @@
 """CI lints and type-checks: .ci/run calls scripts/lint.sh between set-up and the tests, the tools
-come from the dev extra that scripts/setup.sh installs, and mypy checks the client, the core, the
-store and telemetry."""
+come from the dev extra that scripts/setup.sh installs, and mypy checks every runtime package
+whole: the client, the scheduler, the worker, the store, telemetry and the integrations."""
 
 import fnmatch
 import re
@@ -36,7 +36,11 @@ def test_lint_tools_are_pinned_in_the_dev_extra_that_setup_installs():
     assert re.search(r"import [^\"]*\bruff\b[^\"]*\bmypy\b", setup), "setup.sh does not reinstall when they are missing"
 
 
-def test_mypy_checks_the_client_core_store_and_telemetry_folders():
+RUNTIME = {"client", "integrations", "scheduler", "store", "telemetry", "worker"}
+"""The runtime packages' folders; the others are the CLI, the bench and the generated protobuf modules."""
+
+
+def test_mypy_checks_every_runtime_package_whole():
     packages = CONFIG["tool"]["mypy"]["packages"]
     package_dir = CONFIG["tool"]["setuptools"]["package-dir"]
 
@@ -48,8 +52,10 @@ def test_mypy_checks_the_client_core_store_and_telemetry_folders():
         raise AssertionError(f"{package} is not under any package-dir entry")
 
     folders = {folder(p).relative_to(ROOT).as_posix() for p in packages}
-    assert {"client", "scheduler/core", "store", "telemetry"} <= folders
+    assert folders == RUNTIME, "mypy must name each runtime package whole (not some of its modules)"
     assert all((ROOT / f / "__init__.py").is_file() for f in folders)
+    assert RUNTIME | {"cli", "bench", "proto/bubblespec/api"} == set(package_dir.values()), \
+        "a package was added: type-check it (a runtime package) or name it here"
 
 
 def test_ruff_skips_only_the_generated_protobuf_modules():
