@@ -96,12 +96,14 @@ def cluster_lora_config(configs: Iterable[dict | None]) -> dict | None:
     there is a worker and every one runs with LoRA (a load must succeed on all of them); the
     first worker's config, with each capacity (``max_lora_rank``, ``max_loras``,
     ``max_cpu_loras``) the smallest of the workers'."""
-    configs = list(configs)
-    if not configs or any(c is None for c in configs):
+    every = list(configs)
+    known = [c for c in every if c is not None]
+    if not known or len(known) < len(every):
         return None
-    merged = dict(configs[0])  # type: ignore[arg-type]
+    merged = dict(known[0])
     for key in _LIMITS:
-        values = [c.get(key) for c in configs if c is not None]
-        if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-            merged[key] = min(values)
+        values = [c.get(key) for c in known]
+        counts = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+        if len(counts) == len(values):
+            merged[key] = min(counts)
     return merged
