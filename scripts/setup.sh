@@ -14,6 +14,29 @@ if [ ${#need[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 
+# The trainers' client venvs (below) are built in the background while .venv installs: both are
+# mostly downloads. A failure of any of the three fails set-up, naming it.
+side_venv() {  # side_venv DIR REQUIREMENTS [pip install flags...]
+  local dir=$1 req=$2; shift 2
+  if cmp -s "$req" "$dir/requirements.txt" 2>/dev/null; then return 0; fi  # rebuilt when the file changes
+  rm -rf "$dir"
+  python3 -m venv "$dir"
+  "$dir/bin/pip" install -q --upgrade pip
+  "$dir/bin/pip" install -q "$@" -r "$req"
+  cp "$req" "$dir/requirements.txt"
+}
+
+# verifiers' own client (prime-rl's TrainClient), for tests/integration/test_verifiers_client.py:
+# a venv of its own (verifiers needs openai<3; .venv has openai 3.x), every package pinned in
+# tests/requirements-verifiers.txt; no torch.
+side_venv .venv-verifiers tests/requirements-verifiers.txt > .venv-verifiers.log 2>&1 &
+verifiers_pid=$!
+# SkyRL's own client (RemoteInferenceClient), for tests/integration/test_skyrl_client.py: a venv
+# of its own (skyrl 0.3 pins transformers<=5.8; .venv has 5.19), every package pinned in
+# tests/requirements-skyrl.txt and installed without dependencies; no torch.
+side_venv .venv-skyrl tests/requirements-skyrl.txt --no-deps > .venv-skyrl.log 2>&1 &
+skyrl_pid=$!
+
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
@@ -24,25 +47,11 @@ if ! .venv/bin/python -c "import vllm, bubblespec.client, pytest, openai, ruff, 
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 
-# verifiers' own client (prime-rl's TrainClient), for tests/integration/test_verifiers_client.py:
-# a venv of its own (verifiers needs openai<3; .venv has openai 3.x), every package pinned in
-# tests/requirements-verifiers.txt; no torch. Rebuilt when that file changes.
-if ! cmp -s tests/requirements-verifiers.txt .venv-verifiers/requirements.txt 2>/dev/null; then
-  rm -rf .venv-verifiers
-  python3 -m venv .venv-verifiers
-  .venv-verifiers/bin/pip install -q --upgrade pip
-  .venv-verifiers/bin/pip install -q -r tests/requirements-verifiers.txt
-  cp tests/requirements-verifiers.txt .venv-verifiers/requirements.txt
-fi
-
-# SkyRL's own client (RemoteInferenceClient), for tests/integration/test_skyrl_client.py: a venv
-# of its own (skyrl 0.3 pins transformers<=5.8; .venv has 5.19), every package pinned in
-# tests/requirements-skyrl.txt and installed without dependencies; no torch. Rebuilt when that
-# file changes.
-if ! cmp -s tests/requirements-skyrl.txt .venv-skyrl/requirements.txt 2>/dev/null; then
-  rm -rf .venv-skyrl
-  python3 -m venv .venv-skyrl
-  .venv-skyrl/bin/pip install -q --upgrade pip
-  .venv-skyrl/bin/pip install -q --no-deps -r tests/requirements-skyrl.txt
-  cp tests/requirements-skyrl.txt .venv-skyrl/requirements.txt
-fi
+for side in verifiers:$verifiers_pid skyrl:$skyrl_pid; do
+  if ! wait "${side#*:}"; then
+    echo "setup: building .venv-${side%%:*} failed:" >&2
+    cat ".venv-${side%%:*}.log" >&2
+    exit 1
+  fi
+  rm -f ".venv-${side%%:*}.log"
+done
