@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 
     from bubblespec.scheduler.app import SchedulerApp
 
-__all__ = ["STATUS", "create_router", "error", "openai_param", "parse_prompts", "parse_sampling", "read_json",
-           "unauthorized"]
+__all__ = ["NULL_RESPONSE_FIELDS", "STATUS", "create_router", "error", "openai_param", "parse_prompts", "parse_sampling",
+           "read_json", "unauthorized"]
 
 _T = TypeVar("_T")
 
@@ -290,7 +290,7 @@ class _Completions:
 
     def envelope(self, choices: list, usage: dict | None) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": choices, "usage": usage}
+                "choices": choices, "usage": usage, **NULL_RESPONSE_FIELDS}
 
     def opening(self, spec: StepSpec) -> list[dict]:
         """Chunks streamed before the first finished choice."""
@@ -318,7 +318,7 @@ class _Completions:
                 yield _sse(self.chunk(choice))
             options = self.body.get("stream_options") or {}
             if isinstance(options, dict) and options.get("include_usage"):
-                yield _sse(self.usage_chunk(_usage(spec, done)))
+                yield _sse(self.usage_chunk(_usage(spec, done, stream=True)))
         except InvalidRequest as exc:
             yield f"data: {bytes(_refusal(exc, self.rename).body).decode()}\n\n"
         yield "data: [DONE]\n\n"
@@ -328,10 +328,23 @@ def _token_id(t: int) -> str:
     return f"token_id:{t}"
 
 
-def _usage(spec: StepSpec, completions: Iterable[Completion]) -> dict:
+NULL_RESPONSE_FIELDS: dict[str, None] = {"service_tier": None, "system_fingerprint": None,
+                                               "kv_transfer_params": None, "ec_transfer_params": None,
+                                               "metrics": None}
+"""Keys of vLLM's non-streaming completion and chat answers that are null here, as in plain
+vLLM without disaggregated serving (whose request fields are refused) or its server flag
+``--enable-per-request-metrics``."""
+
+
+def _usage(spec: StepSpec, completions: Iterable[Completion], *, stream: bool = False) -> dict:
+    """vLLM's ``UsageInfo``. Its token-details fields are null (a server flag fills them): a whole
+    answer carries them as null, a stream's usage chunk (sent without nulls) leaves them out."""
     prompt = sum(len(p.token_ids) for p in spec.prompts)
     generated = sum(len(c.token_ids) for c in completions)
-    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
+    usage: dict = {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
+    if not stream:
+        usage.update(prompt_tokens_details=None, completion_tokens_details=None)
+    return usage
 
 
 async def read_json(request: Request, limit: int, *, empty: dict | None = None) -> dict:

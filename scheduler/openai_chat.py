@@ -26,7 +26,7 @@ import jinja2.sandbox
 
 from bubblespec.client.types import Completion, Prompt, SamplingParams
 from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits, StepSpec
-from bubblespec.scheduler.openai_api import _Completions, _decoder, parse_sampling
+from bubblespec.scheduler.openai_api import NULL_RESPONSE_FIELDS, _Completions, _decoder, parse_sampling
 from bubblespec.scheduler.openai_prompt import prompt_logprobs_json
 from bubblespec.scheduler.request_fields import CHAT
 
@@ -219,8 +219,8 @@ class ChatCompletions(_Completions):
 
     def envelope(self, choices: list, usage: dict | None) -> dict:
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": choices, "service_tier": None, "system_fingerprint": None, "usage": usage,
-                "prompt_logprobs": self.prompt_logprobs, "prompt_token_ids": self._prompt_ids()}
+                "choices": choices, "usage": usage, "prompt_logprobs": self.prompt_logprobs,
+                "prompt_token_ids": self._prompt_ids(), "prompt_text": None, **NULL_RESPONSE_FIELDS}
 
     def _chunk(self, choices: list, **extra: Any) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,

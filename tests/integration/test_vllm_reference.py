@@ -205,8 +205,6 @@ def _same_prompt_logprobs(mine: list, ref: list) -> None:
             assert a[token]["logprob"] == pytest.approx(theirs["logprob"], abs=LOGPROB_TOLERANCE)
 
 
-@pytest.mark.xfail(strict=True, reason="known gap, seen 2026-11-28: the answer lacks top-level keys plain vLLM sends "
-                   "(metrics, kv_transfer_params, ec_transfer_params, prompt_text) on a route asked for prompt_logprobs")
 async def test_prompt_logprobs_match_plain_vllm_on_every_route(servers):
     """prompt_logprobs 0 and 3 on generate, completions and chat, greedy and sampled with n=2 (plain
     vLLM refuses n > 1 when greedy): the cluster's engines speculate, plain vLLM does not; prompt
@@ -240,8 +238,6 @@ async def test_prompt_logprobs_match_plain_vllm_on_every_route(servers):
         assert all(width <= len(row) <= width + 1 for row in rows) and rows
 
 
-@pytest.mark.xfail(strict=True, reason="known gap, seen 2026-11-28: the echo answer's usage lacks plain vLLM's "
-                   "prompt_tokens_details and completion_tokens_details (null)")
 async def test_echo_matches_plain_vllm(servers):
     """echo: the prompt's text, and with logprobs its tokens, before the completion's; max_tokens 0
     answers the prompt alone."""

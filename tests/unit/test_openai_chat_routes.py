@@ -220,7 +220,12 @@ def test_chat_response_in_vllms_shape(tiny_tokenizer, hf_tokenizer):
     entry = first["logprobs"]["content"][0]
     token = hf_tokenizer.decode([40])
     assert entry == {"token": token, "logprob": -0.5, "bytes": list(token.encode()), "top_logprobs": []}
-    assert out["usage"] == {"prompt_tokens": len(expected), "completion_tokens": 4, "total_tokens": len(expected) + 4}
+    assert out["usage"] == {"prompt_tokens": len(expected), "completion_tokens": 4, "total_tokens": len(expected) + 4,
+                            "prompt_tokens_details": None, "completion_tokens_details": None}
+    # the keys of vLLM 0.32's ChatCompletionResponse, every one
+    assert set(out) == {"id", "object", "created", "model", "choices", "service_tier", "system_fingerprint", "usage",
+                        "prompt_logprobs", "prompt_token_ids", "prompt_text", "kv_transfer_params",
+                        "ec_transfer_params", "metrics"}
 
 
 def test_chat_default_max_tokens_is_the_rest_of_the_model_length(tiny_tokenizer):
@@ -244,6 +249,11 @@ def test_return_tokens_as_token_ids_in_both_routes(tiny_tokenizer, hf_tokenizer)
     assert lp["text_offset"] == [0, len("token_id:40")]
     r = http.post("/v1/completions", json={"prompt": [5, 6], "logprobs": 1})
     assert r.json()["choices"][0]["logprobs"]["tokens"] == [hf_tokenizer.decode([40]), hf_tokenizer.decode([41])]
+    # the keys of vLLM 0.32's CompletionResponse and UsageInfo, every one
+    assert set(r.json()) == {"id", "object", "created", "model", "choices", "service_tier", "system_fingerprint",
+                             "usage", "kv_transfer_params", "ec_transfer_params", "metrics"}
+    assert r.json()["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4,
+                                 "prompt_tokens_details": None, "completion_tokens_details": None}
 
 
 def _events(http, body) -> list:
