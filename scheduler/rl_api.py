@@ -121,22 +121,15 @@ def _base_weights(scheduler: SchedulerApp) -> str:
     try:
         check_weights_path(path, scheduler.settings.limits)
     except InvalidRequest as exc:  # a worker's own word, not the request's: name no request field
-        raise InvalidRequest("request", f"the workers' base weights path {str(exc).split(': ', 1)[-1]}") from None
+        raise InvalidRequest("request", f"the workers' base weights path {exc.message}") from None
     return path
 
 
 async def _update(scheduler: SchedulerApp, path: str) -> dict:
-    """The policy-version barrier to current + 1 from ``path``."""
-    version = scheduler.service.core.policy_version + 1
-    try:
-        loaded = await scheduler.service.update_policy(version, path)
-    except InvalidRequest as exc:
-        if exc.field != "version":
-            raise
-        detail = str(exc).split(": ", 1)[-1]  # the version is always current + 1: no field of the request
-        raise InvalidRequest("request", f"{detail}; pause first (POST /pause?mode=keep or mode=wait)",
-                             exc.code) from None
-    return {"status": "ok", "policy_version": version, "workers": loaded}
+    """The policy-version barrier to the next version (the core numbers it) from ``path``; the
+    request names no version, so a refusal about it names the request."""
+    ready = await scheduler.service.update_policy(None, path, field="request")
+    return {"status": "ok", "policy_version": ready.version, "workers": ready.workers}
 
 
 def create_router(scheduler: SchedulerApp) -> APIRouter:

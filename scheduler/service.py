@@ -164,10 +164,10 @@ class SchedulerService:
                         self.journal.finish_step(step_id)
                     self._publish(step_id, action)
                     self._publish(step_id, END)
-                case PolicyReady(version, workers):
+                case PolicyReady(version, _):
                     if self.journal is not None:  # only a version every live worker loaded is kept
                         self.journal.save_policy(version, self.core.policy_weights_path)
-                    self._end_barrier(version, workers)
+                    self._end_barrier(version, action)
                 case PolicyFailed(version, code, field_, message):
                     logger.error("policy update to version %d failed: %s: %s", version, field_, message)
                     self._end_barrier(version, InvalidRequest(field_, message, code))
@@ -188,8 +188,8 @@ class SchedulerService:
             self.journal.save_completion(key, completion)
         self._publish(step_id, completion)
 
-    def _end_barrier(self, version: int, outcome: int | InvalidRequest) -> None:
-        """Answer every ``UpdatePolicy`` call waiting for ``version``: a worker count or an error."""
+    def _end_barrier(self, version: int, outcome: PolicyReady | InvalidRequest) -> None:
+        """Answer every ``UpdatePolicy`` call waiting for ``version``: its ``PolicyReady`` or an error."""
         for v, fut in self.barriers:
             if v == version and not fut.done():
                 if isinstance(outcome, InvalidRequest):
@@ -326,24 +326,30 @@ class SchedulerService:
             logger.warning("step %s: no trainer attached for %.0fs, cancelling", step_id, self.orphan_grace_seconds)
             self.execute(self.core.cancel_step(step_id))
 
-    async def update_policy(self, version: int, weights_path: str) -> int:
-        """Wait for every live worker to load ``version`` (a retry with the same version and
-        path joins the update in progress, or gets the answer of the one that succeeded);
-        raises ``InvalidRequest`` when it failed, naming each worker that did not load it."""
+    async def update_policy(self, version: int | None, weights_path: str, field: str = "version") -> PolicyReady:
+        """Wait for every live worker to load ``version`` (None: the next version, which the core
+        numbers; ``field``: the caller's name for the version, which a refusal names); a retry
+        with the same version and path joins the update in progress, or gets the answer of the
+        one that succeeded. Raises ``InvalidRequest`` when it was refused or failed, naming each
+        worker that did not load it."""
+        actions = self.core.update_policy(version, weights_path, field)  # refused: raises, nothing changed
+        target = version if version is not None else self.core.policy_loading
+        if target is None:  # not taken, and no update in progress: the core broke its contract (core/policy.py)
+            raise InvalidRequest(field, "the core opened no policy update for the next version", ErrorCode.INTERNAL)
         fut = asyncio.get_running_loop().create_future()
-        self.barriers.append((version, fut))
+        self.barriers.append((target, fut))
         try:
-            self.execute(self.core.update_policy(version, weights_path))
-            loaded = await fut
+            self.execute(actions)
+            ready = await fut
             if self.journal is not None:  # answer once a restarted scheduler would know the version
                 try:
                     await self.journal.flush()
                 except TimeoutError:  # Redis slow: the update holds; only its resumability is at risk
-                    logger.warning("policy version %d: journal write not confirmed within 5 s", version)
-            return loaded
+                    logger.warning("policy version %d: journal write not confirmed within 5 s", target)
+            return ready
         finally:
-            if (version, fut) in self.barriers:  # refused, or the caller went away: the update goes on
-                self.barriers.remove((version, fut))
+            if (target, fut) in self.barriers:  # the caller went away: the update goes on
+                self.barriers.remove((target, fut))
 
     def announce(self, prompts: list[tuple[int, ...]], sampling: SamplingParams) -> int:
         return self.core.announce(prompts, sampling)

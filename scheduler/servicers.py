@@ -121,8 +121,8 @@ class RolloutServicer(pbg.RolloutServicer):
     async def UpdatePolicy(self, request: pb.UpdatePolicyRequest, context: Any) -> Any:
         try:
             check_weights_path(request.weights_path, self.limits)
-            loaded = await self.service.update_policy(request.version, request.weights_path)
-            return pb.UpdatePolicyResponse(version=request.version, workers_loaded=loaded)
+            ready = await self.service.update_policy(request.version, request.weights_path)
+            return pb.UpdatePolicyResponse(version=ready.version, workers_loaded=ready.workers)
         except InvalidRequest as exc:
             await _abort(context, exc)
 

@@ -20,6 +20,7 @@ import statistics
 import time
 
 from bubblespec.client.types import Prompt, SamplingParams
+from bubblespec.scheduler.core.events import WorkerJoined
 from bubblespec.scheduler.core.settings import CoreSettings
 from bubblespec.scheduler.core.types import ModelLimits, WorkerHello
 from bubblespec.scheduler.core.validate import Limits, build_step
@@ -30,7 +31,7 @@ from bubblespec.scheduler.settings import SchedulerSettings
 def fill(scheduler: Scheduler, workers: int) -> None:
     core = scheduler.core
     for i in range(workers):
-        core.add_worker(WorkerHello(f"sim-{i:04d}", 8, 0, ModelLimits(1024, 128), True))
+        core.handle(WorkerJoined(WorkerHello(f"sim-{i:04d}", 8, 0, ModelLimits(1024, 128), True)))
     prompts = [Prompt(f"p{j}", token_ids=(1, 2, 3, j % 100 + 1)) for j in range(512)]
     spec = build_step(step_id="s1", policy_version=0, prompts=prompts, limits=Limits(), model=ModelLimits(1024, 128),
                       sampling=SamplingParams(temperature=1.0, max_tokens=64, n=4),

@@ -1,10 +1,11 @@
 """Discrete-event cluster simulator driving the real ``SchedulerCore`` on a simulated clock.
 
-The core is the class the service runs, fed the same events the service feeds it: workers say
-hello (``add_worker``), a trainer submits steps (``submit_step`` with the next step's prompts as
-lookahead), workers report completions (``on_completion``), draft results
-(``on_draft_result``), progress (``on_progress``) and heartbeats, and a periodic ``tick`` runs
-the straggler and liveness checks. The actions the core returns are carried out on simulated
+The core is the class the service runs, fed the same events the service feeds it, through the
+same door (``core.handle``, ``core/events.py``): workers say hello (``WorkerJoined``), a trainer
+submits steps (``submit_step`` with the next step's prompts as lookahead), workers report
+completions (``Completed``), draft results (``DraftResult``), progress (``Progress``), weight
+loads (``PolicyLoaded``) and heartbeats, each of which proves the worker alive, and a periodic
+``tick`` runs the straggler and liveness checks. The actions the core returns are carried out on simulated
 engines (:class:`~bubblespec.bench.sim.engine.SimulatedEngine`): ``Assign`` starts a request,
 ``Abort`` drops one, ``StartDraft`` / ``StopDraft`` run and preempt draft jobs, ``Deliver`` and
 ``StepFinished`` are recorded. The core's clock is the simulator's ``now``.
@@ -37,6 +38,7 @@ from bubblespec.client.types import (
     SourceStats,
     StepSummary,
 )
+from bubblespec.scheduler.core.events import Aborted, Completed, DraftResult, Heartbeat, PolicyLoaded, Progress, WorkerJoined
 from bubblespec.scheduler.core.settings import CoreSettings
 from bubblespec.scheduler.core.state import SchedulerCore
 from bubblespec.scheduler.core.types import (
@@ -369,7 +371,7 @@ class _Simulation:
             self.engines[wid] = SimulatedEngine(wid, profile, acceptance)
             hello = WorkerHello(wid, settings.capacity, self.core.version, self.limits, speculation=drafting,
                                 accepts_resume=True)
-            self._execute(self.core.add_worker(hello))
+            self._execute(self.core.handle(WorkerJoined(hello)))
         self._commit()
 
     def close(self) -> None:
@@ -462,7 +464,7 @@ class _Simulation:
                 else:
                     heapq.heappop(heap)
                     self.loads_pending -= 1
-                    self._execute(self.core.on_policy_loaded(who, version, True))  # type: ignore[arg-type]
+                    self._execute(self.core.handle(PolicyLoaded(who, version, True)))  # type: ignore[arg-type]
             self._commit()
             self.spent = None
 
@@ -481,11 +483,11 @@ class _Simulation:
         if now >= self.next_heartbeat:
             self.next_heartbeat = now + self.settings.heartbeat_seconds
             for wid, eng in self.engines.items():
-                core.heartbeat(wid, 0.0 if eng.jobs else eng.tokens_per_second())
+                core.handle(Heartbeat(wid, 0.0 if eng.jobs else eng.tokens_per_second()))
         for wid, m in self.wheel.pop(self.tick_no, ()):
             eng = self.engines[wid]
             if eng.members.get(m.key) is m:
-                core.on_progress(wid, m.key, eng.tokens(m.key, now))
+                core.handle(Progress(wid, m.key, eng.tokens(m.key, now)))
                 self._schedule_progress(wid, m)
         self._execute(core.tick())
 
@@ -497,10 +499,10 @@ class _Simulation:
         while self.outbox or self.partials:  # results of stopped jobs and requests reach the core after the stop
             results, self.outbox = self.outbox, []
             for wid, job_id, tokens in results:
-                self._execute(self.core.on_draft_result(wid, job_id, tokens, finished=False))
+                self._execute(self.core.handle(DraftResult(wid, job_id, tokens, finished=False)))
             partials, self.partials = self.partials, []
             for wid, key, partial in partials:
-                self._execute(self.core.on_aborted(wid, key, "moved", partial))
+                self._execute(self.core.handle(Aborted(wid, key, "moved", partial)))
         now, heap, engines = self.now, self.heap, self.engines
         for wid in self.dirty:
             eng = engines[wid]
@@ -524,7 +526,7 @@ class _Simulation:
             if m.job:
                 prompt = m.payload.prompt_token_ids  # type: ignore[attr-defined]
                 self.future[prompt] = max(self.future.get(prompt, 0), m.length)
-                execute(core.on_draft_result(wid, m.key, m.length))
+                execute(core.handle(DraftResult(wid, m.key, m.length)))
             else:
                 req = m.payload
                 if self.settings.history_drafts:
@@ -533,7 +535,7 @@ class _Simulation:
                     self._sibling_finished(req.prompt_token_ids)  # type: ignore[attr-defined]
                 if self.log is not None and self.log.tail.size:
                     self._attribute(wid, m, eng)
-                execute(core.on_completion(wid, m.key, self._completion(wid, m, eng.passes)))
+                execute(core.handle(Completed(wid, m.key, self._completion(wid, m, eng.passes))))
 
     def _sibling_finished(self, prompt: tuple[int, ...]) -> None:
         """One more sample of ``prompt`` finished: where that reaches a row of the siblings

@@ -105,8 +105,8 @@ class CoreParts(Protocol):
     clock: Callable[[], float]
     workers: dict[str, WorkerState]
     steps: dict[str, StepState]
-    version: int
-    weights_path: str
+    versions: Any
+    """``PolicyVersions``."""
     planner: Any
     """``DraftPlanner``."""
     pauser: Any
@@ -119,7 +119,15 @@ class CoreParts(Protocol):
     pool: Any
     """``RequestPool``."""
 
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def weights_path(self) -> str: ...
+
     def _fill(self, w: WorkerState, limit: int | None = None, plan: bool = True) -> list: ...
+
+    def _stop_drafts(self, w: WorkerState, keep: int = 0) -> list: ...
 
     def start_request(self, w: WorkerState, step: StepState, req: RequestState, now: float) -> list: ...
 

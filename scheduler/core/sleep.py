@@ -57,8 +57,7 @@ class EngineSleep:
         """Refuse a bad level, or a sleep while a policy update is loading (``updating``: the
         weight-transfer update in progress, if any)."""
         self.check_level(level)
-        barrier = self.core._barrier
-        version = updating if updating is not None else (barrier.version if barrier is not None else None)
+        version = updating if updating is not None else self.core.versions.updating
         if version is not None:
             raise InvalidRequest("level", f"the update to policy version {version} is in progress: finish it (or "
                                  "POST /abort_weight_update) before /sleep", ErrorCode.FAILED_PRECONDITION)

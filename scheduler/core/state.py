@@ -20,7 +20,7 @@ import math
 import random
 import statistics
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 
 from bubblespec.client.types import (
@@ -53,7 +53,7 @@ from bubblespec.scheduler.core.liveness import NoWorkers
 from bubblespec.scheduler.core.moves import Mover
 from bubblespec.scheduler.core.pause import Pauser
 from bubblespec.scheduler.core.pool import POOL, RequestPool, sample_sampling
-from bubblespec.scheduler.core.policy import PolicyBarrier
+from bubblespec.scheduler.core.policy import PolicyVersions
 from bubblespec.scheduler.core.records import RequestState, StepState, WorkerState
 from bubblespec.scheduler.core.records import total_provenance as _total
 from bubblespec.scheduler.core.settings import CoreSettings
@@ -68,10 +68,7 @@ from bubblespec.scheduler.core.types import (
     ErrorCode,
     Ignored,
     InvalidRequest,
-    LoadPolicy,
     ModelLimits,
-    PolicyLoadReported,
-    PolicyReady,
     RequestsMoved,
     RequestSpec,
     StartDraft,
@@ -104,8 +101,8 @@ class SchedulerCore(CoreView, AdapterCommands):
 
     Collaborators, by composition: ``DraftPlanner`` (announced prompts), ``LengthHistory``
     (predicted response lengths), ``TimeAccounting`` (busy / idle / drafting seconds),
-    ``Pauser`` (``/pause``), ``Balancer`` (who takes queued work), ``PolicyBarrier`` (an update
-    in progress)."""
+    ``Pauser`` (``/pause``), ``Balancer`` (who takes queued work), ``PolicyVersions`` (the
+    version and an update in progress)."""
 
     def __init__(self, settings: CoreSettings = CoreSettings(), clock: Callable[[], float] = lambda: 0.0,
                  rng: random.Random | None = None):
@@ -116,14 +113,10 @@ class SchedulerCore(CoreView, AdapterCommands):
         self.rng = rng if rng is not None else random.Random()
         self.workers: dict[str, WorkerState] = {}
         self.steps: dict[str, StepState] = {}
-        self.version = 0
-        self.weights_path = ""
         self.limits: ModelLimits | None = None
         self.planner = DraftPlanner()
         self.history = LengthHistory(settings.max_length_history)  # predicted response lengths (core/history.py)
         self.timing = TimeAccounting(settings.timeline_segments, self._current_step)  # core/timing.py
-        self._barrier: PolicyBarrier | None = None  # the update in progress; ``version`` moves when it succeeds
-        self._loading: set[str] = set()  # workers the barrier still waits for
         self._jobs = itertools.count()
         self._drafts_wanted = False  # the latest step asked for drafts of its lookahead
         self._held: dict[tuple[int, ...], list[float]] = {}  # prompt -> [stopped jobs whose result is pending, since]
@@ -135,6 +128,7 @@ class SchedulerCore(CoreView, AdapterCommands):
         self.balancer = Balancer(self)  # which worker takes queued work (core/balance.py)
         self.mover = Mover(self)  # long requests moved to idle workers (core/moves.py)
         self.pool = RequestPool(self)  # independent calls' requests (core/pool.py)
+        self.versions = PolicyVersions(self)  # the policy version and its barrier (core/policy.py)
         self.liveness = NoWorkers(self)  # calls fail once no worker is left for too long (core/liveness.py)
 
     # ------------------------------------------------------------- workers --
@@ -151,23 +145,12 @@ class SchedulerCore(CoreView, AdapterCommands):
         if self.limits is not None and hello.limits != self.limits:
             raise InvalidRequest("hello", f"model limits {hello.limits} differ from the cluster's {self.limits}",
                                  ErrorCode.FAILED_PRECONDITION)
-        fresh = not self.weights_path and not self.workers and not self.steps
-        version = hello.policy_version if fresh else self.version  # a fresh scheduler adopts it
-        if hello.policy_version != version and not self.weights_path and self._barrier is None:
-            raise InvalidRequest("hello.policy_version", f"worker has version {hello.policy_version}; the cluster "
-                                 f"runs {version} and has no weights path to send", ErrorCode.FAILED_PRECONDITION)
+        version = self.versions.admit(hello, fresh=not self.weights_path and not self.workers and not self.steps)
         # every check passed: only now change state
-        self.limits, self.version = hello.limits, version
+        self.limits = hello.limits
         w = WorkerState(hello, hello.policy_version, now, now, state_since=now)
         self.workers[hello.worker_id] = w
-        actions: list[Action] = []
-        if self._barrier is not None:  # an update is in progress: the newcomer loads it, the barrier waits for it
-            w.loading = self._barrier.version
-            self._loading.add(hello.worker_id)
-            actions.append(LoadPolicy(w.hello.worker_id, self._barrier.version, self._barrier.weights_path))
-        elif w.version != self.version:
-            w.loading = self.version
-            actions.append(LoadPolicy(w.hello.worker_id, self.version, self.weights_path))
+        actions = self.versions.joined(w, version)  # it loads the cluster's version, or the update in progress
         self.timing.set_state(w, now)
         return actions + self._fill(w)
 
@@ -178,7 +161,7 @@ class SchedulerCore(CoreView, AdapterCommands):
         w = self.workers.pop(worker_id, None)
         if w is None:
             return []
-        self._loading.discard(worker_id)
+        self.versions.left(worker_id)
         self.pool.worker_gone(worker_id)
         now = self.clock()
         self.timing.close(w, now)
@@ -201,7 +184,7 @@ class SchedulerCore(CoreView, AdapterCommands):
         for prompt in (*w.drafts.values(), *w.stopping.values()):
             self.planner.done(prompt, complete=False)
             self._release(prompt)
-        return actions + self._check_barrier() + self._fill_all()
+        return actions + self.versions.check() + self._fill_all()
 
     def _unfinished(self, key: str) -> tuple[StepState | None, RequestState | None]:
         step = self.steps.get(_step_of(key))
@@ -254,16 +237,7 @@ class SchedulerCore(CoreView, AdapterCommands):
             return step_view(existing, completions=True)
         self.pauser.check_new_step()
         self.liveness.check("workers")
-        if self._barrier is not None:
-            raise InvalidRequest("policy_version", f"the update to policy version {self._barrier.version} is still loading; "
-                                 "run the step after UpdatePolicy returns", ErrorCode.FAILED_PRECONDITION)
-        if spec.policy_version != self.version:
-            raise InvalidRequest("policy_version", f"{spec.policy_version} is not the current policy version {self.version}",
-                                 ErrorCode.FAILED_PRECONDITION)
-        if self.workers and not any(self.version in (w.version, w.loading) for w in self.workers.values()):
-            held = ", ".join(sorted({str(w.version) for w in self.workers.values()}))
-            raise InvalidRequest("policy_version", f"no connected worker holds policy version {self.version} (they "
-                                 f"hold {held}, after a failed update); run update_policy again", ErrorCode.FAILED_PRECONDITION)
+        self.versions.check_step(spec.policy_version)
         active = sum(1 for s in self.steps.values() if s.active and s.spec.step_id != POOL)
         if active >= self.settings.max_active_steps:
             raise InvalidRequest("step_id", f"the scheduler already runs {active} steps, its limit (max_active_steps); "
@@ -357,11 +331,7 @@ class SchedulerCore(CoreView, AdapterCommands):
     def check_requests(self, spec: StepSpec) -> None:
         """Refuse (naming the field, nothing changed) a call whose requests cannot join the pool."""
         self.liveness.check("workers")
-        if self._barrier is None and self.workers \
-                and not any(self.version in (w.version, w.loading) for w in self.workers.values()):
-            held = ", ".join(sorted({str(w.version) for w in self.workers.values()}))
-            raise InvalidRequest("policy_version", f"no connected worker holds policy version {self.version} (they "
-                                 f"hold {held}, after a failed update); run update_policy again", ErrorCode.FAILED_PRECONDITION)
+        self.versions.check_held()
         modes = {w.hello.logprobs_mode for w in self.workers.values()}
         if modes and spec.sampling.logprobs_mode and spec.sampling.logprobs_mode not in modes:
             raise InvalidRequest("sampling.logprobs_mode", f"no connected worker returns {spec.sampling.logprobs_mode!r} "
@@ -585,94 +555,30 @@ class SchedulerCore(CoreView, AdapterCommands):
 
     # --------------------------------------------------------------- policy --
 
-    def update_policy(self, version: int, weights_path: str) -> list[Action]:
-        """Start a policy update: every live worker loads ``weights_path`` as ``version``, and
-        ``version`` becomes the cluster's only when all of them did (``PolicyReady``); else the
-        cluster stays where it was (``PolicyFailed``). The same (version, path) again joins the
-        update in progress (no action: its outcome answers both) or, once it succeeded, answers
-        ``PolicyReady`` again; nothing else may change a version that is set or loading."""
-        if not weights_path:
-            raise InvalidRequest("weights_path", "is empty")
-        repeat = self._repeated_update(version, weights_path)
-        if repeat is not None:
-            return repeat
-        if version <= self.version:
-            raise InvalidRequest("version", f"must be greater than the current version {self.version}, got {version}",
-                                 ErrorCode.FAILED_PRECONDITION)
-        running = self.pauser.waiting()  # a step held by a keep-pause moves to the new version (pause.rebase)
-        if running:
-            raise InvalidRequest("version", f"step {running[0]!r} is still running", ErrorCode.FAILED_PRECONDITION)
-        if not self.workers:
-            raise InvalidRequest("workers", f"no live worker to load version {version}", ErrorCode.UNAVAILABLE)
-        self._barrier = PolicyBarrier(version, weights_path)
-        self._loading = set(self.workers)
-        actions: list[Action] = []
-        for w in self.workers.values():
-            actions += self._stop_drafts(w)
-            w.loading, w.load_failed = version, None
-            actions.append(LoadPolicy(w.hello.worker_id, version, weights_path))
-            self.timing.set_state(w, self.clock())
-        return actions
-
-    def _repeated_update(self, version: int, weights_path: str) -> list[Action] | None:
-        """The answer to an update already in progress or done (a retry), else None."""
-        b = self._barrier
-        if b is not None:
-            if version != b.version:
-                raise InvalidRequest("version", f"the update to version {b.version} is still loading",
-                                     ErrorCode.FAILED_PRECONDITION)
-            if weights_path != b.weights_path:
-                raise InvalidRequest("weights_path", f"version {version} is loading from another weights_path",
-                                     ErrorCode.ALREADY_EXISTS)
-            return []
-        if version == self.version and self.weights_path:
-            if weights_path != self.weights_path:
-                raise InvalidRequest("weights_path", f"version {version} is set with another weights_path",
-                                     ErrorCode.ALREADY_EXISTS)
-            return [PolicyReady(version, sum(1 for w in self.workers.values() if w.version == version))]
-        return None
+    def update_policy(self, version: int | None, weights_path: str, field: str = "version",
+                      pushed_to: Collection[str] | None = None) -> list[Action]:
+        """The one command that changes the policy version (``core/policy.py``): every live
+        worker loads ``weights_path`` as ``version`` (None: the next version), which becomes the
+        cluster's only once all of them did (``PolicyReady``); else the cluster stays where it
+        was (``PolicyFailed``). ``field``: the caller's name for the version, which a refusal
+        names; ``pushed_to``: weight transfer's group, whose weights the trainer pushes
+        (``core/transfer.py``). A retry joins the update in progress or gets its answer again."""
+        return self.versions.update(version, weights_path, field, pushed_to)
 
     def on_policy_loaded(self, worker_id: str, version: int, ok: bool, error: str = "",
                          weights_unknown: bool = False, seconds: float = 0.0) -> list[Action]:
-        """A worker answered ``LoadPolicy`` (``PolicyLoadReported`` first). A failed worker gets
-        no work until the barrier ends; ``weights_unknown``: its load failed after its weights
-        changed, so it serves no version (-1) until a later load succeeds. An answer nobody
-        asked for changes nothing (``Ignored``)."""
-        w = self.workers.get(worker_id)
-        if w is None or w.loading != version:
-            return [Ignored(worker_id, "policy_loaded.version", f"{version} was not asked of it")]
-        w.loading = None
-        b = self._barrier
-        counted = b is not None and b.version == version and worker_id in self._loading
-        self._loading.discard(worker_id)
-        if counted:
-            b.answer(worker_id, ok, error)  # type: ignore[union-attr]
-        if ok:
-            w.version = version
-        else:
-            w.load_failed = version
-            w.version = -1 if weights_unknown else w.version
-        self.timing.set_state(w, self.clock())
-        return [PolicyLoadReported(worker_id, version, ok, error, seconds), *self._check_barrier(), *self._fill(w)]
+        """A worker answered ``LoadPolicy`` (``PolicyVersions.loaded``)."""
+        return self.versions.loaded(worker_id, version, ok, error, weights_unknown, seconds)
 
-    def _check_barrier(self) -> list[Action]:
-        """Once every live worker answered: ``PolicyReady`` if all of them loaded the version,
-        else ``PolicyFailed`` and the cluster keeps its version and weights path. Workers that
-        did load the failed version keep it and get no work (the core hands a worker only work
-        of the version it holds) until the next update reloads every worker."""
-        b = self._barrier
-        if b is None or self._loading:
-            return []
-        self._barrier = None
-        outcome = b.outcome(self.workers, self.version)
-        if isinstance(outcome, PolicyReady):
-            self.version, self.weights_path = b.version, b.weights_path
-            self.pauser.rebase(b.version)
-            self.pool.rebase(b.version)
-        for w in self.workers.values():
-            if w.load_failed == b.version:
-                w.load_failed = None  # the version is gone: old weights that are intact serve again
-        return [outcome, *self._fill_all()]
+    @property
+    def version(self) -> int:
+        """The cluster's policy version (``core.versions`` owns it)."""
+        return self.versions.version
+
+    @property
+    def weights_path(self) -> str:
+        """Where the cluster's version's weights are (``core.versions`` owns it)."""
+        return self.versions.weights_path
 
     # ----------------------------------------------------------------- tick --
 

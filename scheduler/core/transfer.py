@@ -37,7 +37,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from bubblespec.scheduler.core.policy import PolicyBarrier
 from bubblespec.scheduler.core.types import Action, ErrorCode, InvalidRequest
 
 if TYPE_CHECKING:
@@ -162,32 +161,18 @@ class WeightTransfer:
     # ---------------------------------------------------------------- update --
 
     def start(self) -> tuple[int, list[Action]]:
-        """Open the barrier for version current+1 (no weights to load: the trainer pushes them),
-        stopping dispatch and draft jobs on every member. Refused while a step runs (unless a
-        ``keep`` pause holds it) or another update is in progress."""
+        """Open the barrier for the next version through the core's one command for a version
+        change (``SchedulerCore.update_policy``: no weights to load, the trainer pushes them to
+        the members), stopping dispatch and draft jobs on every member. Refused while a step
+        runs (unless a ``keep`` pause holds it) or another update is in progress."""
         core = self.core
         self.check_members()
         if self.updating is not None:
             raise InvalidRequest("weight_version", f"the weight update to version {self.updating} is already in "
                                  "progress; finish it first", ErrorCode.ALREADY_EXISTS)
-        if core._barrier is not None:
-            raise InvalidRequest("weight_version", f"the update to policy version {core._barrier.version} is still "
-                                 "loading", ErrorCode.FAILED_PRECONDITION)
-        running = core.pauser.waiting()
-        if running:
-            raise InvalidRequest("weight_version", f"step {running[0]!r} is still running: wait for it or "
-                                 "POST /pause?mode=keep first", ErrorCode.FAILED_PRECONDITION)
-        version = core.version + 1
-        core._barrier = PolicyBarrier(version, f"{TRANSFER_PREFIX}{version}")
-        core._loading = set(self.members)
-        actions: list[Action] = []
-        now = core.clock()
-        for wid in self.members:
-            w = core.workers[wid]
-            actions += core._stop_drafts(w)
-            w.loading, w.load_failed = version, None
-            core.timing.set_state(w, now)
-        self.updating, self.started_at = version, now
+        version = core.policy_version + 1  # its label names it before finish does (the core checks it is the next)
+        actions = core.update_policy(version, f"{TRANSFER_PREFIX}{version}", "weight_version", pushed_to=list(self.members))
+        self.updating, self.started_at = version, core.clock()
         self.unclosed, self.rolled_back = set(), ""
         return version, actions
 
@@ -218,15 +203,14 @@ class WeightTransfer:
         else it stays, and a member that failed serves nothing until an update succeeds."""
         version = self.check_updating("finish")
         core = self.core
-        if core._barrier is not None and core._barrier.version == version:
-            core._barrier.weights_path = f"{TRANSFER_PREFIX}{label or version}"
+        core.versions.label(version, f"{TRANSFER_PREFIX}{label or version}")
         self.updating = None
         self.unclosed = {wid for wid in self.unclosed if answers.get(wid, "") is not None}  # finished: closed
         actions: list[Action] = []
         for wid in sorted(self.members):
             error = answers.get(wid, "did not answer finish_weight_update")
-            actions += core.on_policy_loaded(wid, version, error is None, error or "", weights_unknown=error is not None)
-        return actions + self._close(version)
+            actions += core.versions.loaded(wid, version, error is None, error or "", weights_unknown=error is not None)
+        return actions + core.versions.close(version)  # members that left kept it open
 
     def abort(self, answers: dict[str, str | None], reason: str = "") -> list[Action]:
         """``start`` or ``update`` failed on a member (worker -> its error; None: it succeeded),
@@ -242,16 +226,8 @@ class WeightTransfer:
         actions: list[Action] = []
         for wid in sorted(self.members):
             error = answers.get(wid) or reason or f"the weight update was abandoned ({failed} failed)"
-            actions += self.core.on_policy_loaded(wid, version, False, error, weights_unknown=True)
-        return actions + self._close(version)
-
-    def _close(self, version: int) -> list[Action]:
-        """End the barrier if members that left kept it open (``on_policy_loaded`` ignores them)."""
-        core = self.core
-        if core._barrier is None or core._barrier.version != version:
-            return []
-        core._loading.clear()
-        return core._check_barrier()
+            actions += self.core.versions.loaded(wid, version, False, error, weights_unknown=True)
+        return actions + self.core.versions.close(version)  # members that left kept it open
 
 
 def _count(init_info: dict, name: str) -> int:

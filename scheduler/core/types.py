@@ -85,6 +85,8 @@ class InvalidRequest(ValueError):
                  retry_after: float | None = None):
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
+        """What is wrong with the field (``str(exc)`` is ``field: message``)."""
         self.code = code
         self.retry_after = retry_after
         """Seconds after which the same call may succeed (a full queue: HTTP 429 ``Retry-After``)."""

@@ -15,7 +15,7 @@ from typing import Any, cast
 
 from bubblespec.client.types import Completion, StepSummary
 from bubblespec.scheduler.core.records import CoreParts, StepState, WorkerState
-from bubblespec.scheduler.core.types import Action, ErrorCode, InvalidRequest, ModelLimits, StepFailed, WorkerStatus
+from bubblespec.scheduler.core.types import Action, ModelLimits, StepFailed, WorkerStatus
 
 __all__ = ["CoreStats", "CoreView", "StepView", "WorkerView", "step_view", "worker_view"]
 
@@ -142,13 +142,11 @@ class CoreView:
     clock: Callable[[], float]
     workers: dict[str, WorkerState]
     steps: dict[str, StepState]
-    version: int
-    weights_path: str
     limits: ModelLimits | None
     planner: Any
     pauser: Any
     pool: Any
-    _barrier: Any
+    versions: Any
 
     def _current_step(self) -> StepState | None:
         raise NotImplementedError
@@ -160,7 +158,7 @@ class CoreView:
         waiting, running = waiting_and_running(self.steps.values(), self.workers.values())
         waiting += len(self.pool.parked)  # calls that came while paused wait too (core/pool.py)
         return CoreStats(
-            now=now, policy_version=self.version, weights_path=self.weights_path, limits=self.limits,
+            now=now, policy_version=self.versions.version, weights_path=self.versions.weights_path, limits=self.limits,
             paused=self.pauser.paused, workers=tuple(worker_view(w, now) for w in self.workers.values()),
             steps=tuple(step_view(s) for s in self.steps.values()), requests_waiting=waiting,
             requests_running=running, drafts_announced=announced, drafts_covered=covered,
@@ -187,12 +185,17 @@ class CoreView:
     @property
     def policy_version(self) -> int:
         """The cluster's policy version (what a new step must name)."""
-        return self.version
+        return self.versions.version
 
     @property
     def policy_weights_path(self) -> str:
         """Where the current version's weights are ('' before the first update)."""
-        return self.weights_path
+        return self.versions.weights_path
+
+    @property
+    def policy_loading(self) -> int | None:
+        """The version an update in progress loads (None: no update is in progress)."""
+        return self.versions.updating
 
     @property
     def model_limits(self) -> ModelLimits | None:
@@ -212,10 +215,7 @@ class CoreView:
     def restore_policy(self, version: int, weights_path: str) -> None:
         """A restarted scheduler takes the version and weights path its journal kept (before
         any worker joins: each joining worker then loads it)."""
-        if self.workers or self.steps or self._barrier is not None:
-            raise InvalidRequest("version", "the policy is restored only before any worker or step",
-                                 ErrorCode.FAILED_PRECONDITION)
-        self.version, self.weights_path = version, weights_path
+        self.versions.restore(version, weights_path)
 
     def status(self) -> dict:
         """A JSON-able snapshot for /status and the UI."""

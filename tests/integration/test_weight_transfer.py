@@ -166,7 +166,7 @@ async def test_a_world_size_that_does_not_match_the_workers_is_refused_and_nothi
         refused(await c.post("/start_weight_update"), 409, "init_info", "/init_weight_transfer_engine first")
         refused(await c.post("/finish_weight_update", {"weight_version": 7}), 400, "weight_version", "a string")
         assert all(not w.controls for w in c.workers), "nothing reached a worker"
-        assert c.scheduler.service.transfer.members == {} and c.core._barrier is None
+        assert c.scheduler.service.transfer.members == {} and c.core.policy_loading is None
         anonymous = await c.http.post("/init_weight_transfer_engine", json={"init_info": INIT},
                                       headers={"authorization": ""})
         assert anonymous.status_code == 401
@@ -264,7 +264,7 @@ async def test_a_worker_failing_update_is_named_the_version_stays_and_its_weight
         r = await c.post("/update_weights", {"update_info": UPDATE})
         refused(r, 500, "workers", "update_weights failed on 1 of 3 worker(s): worker fw-1: NCCL error: unhandled")
         assert "fw-0" not in r.json()["error"]["message"]
-        assert c.core.version == 0 and c.core._barrier is None
+        assert c.core.version == 0 and c.core.policy_loading is None
         assert any(isinstance(a, PolicyFailed) and a.version == 1 for a in c.actions)
         assert {w.version for w in c.core.workers.values()} == {-1}, "weights in flux: none serves"
         refused(await c.post("/finish_weight_update"), 409, "weight_version", "no weight update is in progress")
@@ -294,7 +294,7 @@ async def test_a_worker_lost_or_joining_mid_transfer_fails_the_next_call_clearly
         try:
             await wait_until(lambda: "fw-9" in c.core.workers, what="fw-9 joined")
             refused(await c.post("/start_weight_update"), 409, "workers", "worker fw-9 joined after")
-            assert not late.controls and c.core._barrier is None and c.core.version == 0
+            assert not late.controls and c.core.policy_loading is None and c.core.version == 0
         finally:
             await late.stop()
         await wait_until(lambda: "fw-9" not in c.core.workers, what="fw-9 left")
@@ -362,7 +362,7 @@ async def test_a_real_vllm_worker_resets_its_prefix_cache_and_refuses_an_nccl_gr
         r = await http.post("/init_weight_transfer_engine", json={"init_info": {**INIT, "world_size": 1 + n}})
         refused(r, 500, "workers", f"init_weight_transfer_engine failed on {n} of {n} worker(s)",
                 "Weight transfer not configured")
-    assert s.service.transfer.members == {} and s.core.version == version and s.core._barrier is None
+    assert s.service.transfer.members == {} and s.core.version == version and s.core.policy_loading is None
 
 
 async def test_a_hello_with_a_negative_tensor_parallel_size_is_refused_naming_it():

@@ -18,10 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 PUBLIC = frozenset({
     # views (core/view.py) and cheap read-only values
     "stats", "step", "worker", "has_step", "now", "status", "settings", "policy_version", "policy_weights_path",
-    "model_limits", "worker_count", "any_step_active", "paused", "pause_waiting",
-    # events and commands
-    "handle", "add_worker", "remove_worker", "heartbeat", "touch", "on_progress", "on_completion", "on_aborted",
-    "on_draft_result", "on_policy_loaded", "check_step", "submit_step", "check_requests", "submit_requests",
+    "policy_loading", "model_limits", "worker_count", "any_step_active", "paused", "pause_waiting",
+    # events (``handle`` is the one way in for them: core/events.py) and commands
+    "handle", "check_step", "submit_step", "check_requests", "submit_requests",
     "dispatch", "cancel_requests", "announce", "cancel_step", "update_policy",
     "tick", "pause", "resume", "restore_policy", "forget_history",
     "adapters", "unload_adapter",  # LoRA adapters (core/adapters.py)

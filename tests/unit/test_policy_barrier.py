@@ -1,6 +1,6 @@
 """The policy-update barrier with a fake clock: a failed update fails loudly and changes nothing.
 
-Core: ``update_policy`` / ``on_policy_loaded`` / ``_check_barrier``. Service: the outcome as an
+Core: ``update_policy`` / ``on_policy_loaded`` (``core/policy.py``). Service: the outcome as an
 ``UpdatePolicy`` answer (error naming every failed worker), the journal, and completions whose
 policy version differs from their request's.
 """
@@ -115,7 +115,7 @@ def test_update_with_no_live_worker_fails_unavailable_and_changes_nothing():
     with pytest.raises(InvalidRequest) as err:
         core.update_policy(1, "/w1")
     assert (err.value.code, err.value.field) == ("UNAVAILABLE", "workers")
-    assert (core.version, core.weights_path, core._barrier) == (0, "", None)
+    assert (core.version, core.weights_path, core.policy_loading) == (0, "", None)
     core, _ = two_workers()
     core.update_policy(1, "/w1")
     core.remove_worker("a")
@@ -174,6 +174,30 @@ def test_no_new_step_while_an_update_loads():
     assert core.steps == {}
 
 
+def test_the_next_version_is_numbered_by_the_core_and_refusals_name_the_callers_field():
+    core, _ = two_workers()
+    assert {x.version for x in of(core.update_policy(None, "/w1", "request"), LoadPolicy)} == {1}
+    assert core.policy_loading == 1 and core.update_policy(None, "/w1", "request") == []  # a retry joins
+    with pytest.raises(InvalidRequest) as err:  # weight transfer never joins an update it did not open
+        core.update_policy(1, "weight-transfer:1", "weight_version", pushed_to=["a", "b"])
+    assert (err.value.field, err.value.code) == ("weight_version", "FAILED_PRECONDITION")
+    core.on_policy_loaded("a", 1, True)
+    assert of(core.on_policy_loaded("b", 1, True), PolicyReady) == [PolicyReady(1, 2)]
+    core.submit_step(step("s", 2, version=1))
+    with pytest.raises(InvalidRequest) as err:
+        core.update_policy(None, "/w2", "request")
+    assert err.value.field == "request" and "step 's' is still running; pause first" in err.value.message
+    assert (core.version, core.policy_loading) == (1, None)
+
+
+def test_a_pushed_update_loads_nothing_and_waits_for_its_members_alone():
+    core, _ = two_workers()
+    actions = core.update_policy(1, "weight-transfer:1", "weight_version", pushed_to=["a"])
+    assert of(actions, LoadPolicy) == [] and core.policy_loading == 1
+    assert of(core.on_policy_loaded("a", 1, True), PolicyReady) == [PolicyReady(1, 1)]
+    assert core.version == 1
+
+
 # ----------------------------------------------------------------- service --
 
 
@@ -215,9 +239,9 @@ async def test_service_answers_a_failed_update_with_each_reason_and_journals_not
     await asyncio.sleep(0)
     loaded(service, "a", 1, True)
     loaded(service, "b", 1, True)
-    assert await retry == 2
+    assert await retry == PolicyReady(1, 2)
     assert journal.flushed == journal.policies == [(1, "/good")]  # answered once the version was written
-    assert await service.update_policy(1, "/good") == 2  # done: the same answer
+    assert await service.update_policy(1, "/good") == PolicyReady(1, 2)  # done: the same answer
     assert journal.policies[0] == (1, "/good")
 
 

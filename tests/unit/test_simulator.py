@@ -413,7 +413,8 @@ def test_stopped_draft_jobs_report_their_partial_result_to_the_core() -> None:
 
 def test_silent_workers_are_disconnected_and_a_stuck_step_is_reported() -> None:
     long = Workload(lengths=LengthModel(median_tokens=4000, prompt_sigma=0, sample_sigma=0))
-    silent = SimSettings(capacity=64, samples=4, heartbeat_seconds=1000)  # no heartbeat after t=1 s
+    # no heartbeat after t=1 s and no progress report: any message of a worker proves it alive (``core.handle``)
+    silent = SimSettings(capacity=64, samples=4, heartbeat_seconds=1000, progress_seconds=1000)
     with pytest.raises(SimStalled, match="64 requests undelivered"):
         simulate("queue", 4, 64, 1, GPU_H100_7B, False, workload=long, settings=silent)
 

@@ -39,7 +39,7 @@ def test_an_update_not_finished_by_its_deadline_is_rolled_back_and_the_version_s
     failed = of(actions, PolicyFailed)
     assert len(failed) == 1 and failed[0].version == 1, actions
     assert "not finished within 30s" in failed[0].message and "stays at version 0" in failed[0].message
-    assert transfer.updating is None and core.version == 0 and core._barrier is None
+    assert transfer.updating is None and core.version == 0 and core.policy_loading is None
     # both members took start: their engines hold the update open until the shell closes it
     assert transfer.unclosed == {"a", "b"}
     # their weights may be partly replaced: neither serves until an update succeeds
