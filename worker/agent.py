@@ -339,7 +339,7 @@ class WorkerAgent:
         to a worker's whole width of jobs; awaited one by one here, they held the step's
         assignments queued behind them on the stream for tens of milliseconds. No request can
         read the draft store too early: the scheduler holds a prompt's work until its stopped
-        job's result came (``SchedulerCore._stop_arrived``)."""
+        job's result came (``DraftJobs.stop_arrived``, scheduler/core/drafts.py)."""
         task = self.tasks.pop(key, None)
         if task is not None:
             task.cancel()
@@ -555,7 +555,7 @@ class WorkerAgent:
                           finished: bool) -> None:
         """Store a draft job's (partial) response, then report it (``draft_result``). The
         scheduler holds a new step's requests for the prompt until this report, so that none
-        reads the store without the draft (``SchedulerCore._stop_arrived``). The report counts
+        reads the store without the draft (``DraftJobs.stop_arrived``, scheduler/core/drafts.py). The report counts
         what was stored: a write the store refused (``put_draft`` False: Redis down, the breaker
         open, an oversized entry) or that raised reports no tokens (logged), so no prompt counts
         as drafted without one."""

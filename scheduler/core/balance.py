@@ -70,7 +70,7 @@ class Balancer:
             w = core.workers.get(wid)
             if w is None:
                 continue
-            got = core._fill(w, limit=group, plan=False)  # drafts are planned after the placement
+            got = core.dispatcher.fill(w, limit=group, plan=False)  # drafts are planned after the placement
             actions += got
             assigned = [a for a in got if isinstance(a, Assign)]
             if not assigned:

@@ -180,7 +180,7 @@ class Mover:
             partial = checked_partial(partial, req, getattr(core, "limits", None))
         except InvalidRequest as exc:
             return [Ignored(worker_id, exc.field, str(exc)),
-                    *core._take_back(step, req, worker_id, f"its partial was refused: {exc}"), *core._fill_all()]
+                    *core._take_back(step, req, worker_id, f"its partial was refused: {exc}"), *core.dispatcher.fill_all()]
         req.worker, req.moved_from, req.resume = None, worker_id, continued(req.resume, partial)
         req.progress, req.progress_at = len(partial.token_ids), core.clock()
         step.moved += 1
@@ -188,9 +188,9 @@ class Mover:
         if target is not None and target.version == req.spec.policy_version and target.loading is None \
                 and target.load_failed is None:
             target.private.appendleft(key)
-            return actions + core._fill(target) + core._fill(source)  # the source: a slot free, or idle now
+            return actions + core.dispatcher.fill(target) + core.dispatcher.fill(source)  # the source: a slot free, or idle now
         step.shared.appendleft(key)
-        return actions + core._fill_all()
+        return actions + core.dispatcher.fill_all()
 
     def cancel(self, req: RequestState) -> None:
         """The move of ``req`` is off (its completion came first, or its worker failed it): the

@@ -96,14 +96,14 @@ class Pauser:
         if core.pool.step is not None:
             self.held.add(POOL)
             actions += core.pool.hold()
-        return actions + core._fill_all()  # the freed workers draft
+        return actions + core.dispatcher.fill_all()  # the freed workers draft
 
     def resume(self) -> list[Action]:
         """Resume dispatch (idempotent): held steps run again, new steps are taken."""
         self.paused, self.mode = False, None
         self.held.clear()
         self.core.pool.unpark()
-        return self.core._fill_all()
+        return self.core.dispatcher.fill_all()
 
     def rebase(self, version: int) -> None:
         """``version`` became the cluster's while steps were held: their undelivered requests

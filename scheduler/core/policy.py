@@ -194,7 +194,7 @@ class PolicyVersions:
         actions: list[Action] = []
         for wid in members:
             w = core.workers[wid]
-            actions += core._stop_drafts(w)
+            actions += core.drafts.stop(w)
             w.loading, w.load_failed = barrier.version, None
             if pushed_to is None:
                 actions.append(LoadPolicy(wid, barrier.version, barrier.weights_path))
@@ -227,7 +227,7 @@ class PolicyVersions:
             w.load_failed = version
             w.version = -1 if weights_unknown else w.version
         core.timing.set_state(w, core.clock())
-        return [PolicyLoadReported(worker_id, version, ok, error, seconds), *self.check(), *core._fill(w)]
+        return [PolicyLoadReported(worker_id, version, ok, error, seconds), *self.check(), *core.dispatcher.fill(w)]
 
     def close(self, version: int) -> list[Action]:
         """End update ``version`` now, whoever has not answered (members of a weight transfer
@@ -255,7 +255,7 @@ class PolicyVersions:
         for w in core.workers.values():
             if w.load_failed == b.version:
                 w.load_failed = None  # the version is gone: old weights that are intact serve again
-        return [outcome, *core._fill_all()]
+        return [outcome, *core.dispatcher.fill_all()]
 
     def restore(self, version: int, weights_path: str) -> None:
         """A restarted scheduler takes the version and weights path its journal kept (before

@@ -281,7 +281,7 @@ class RequestPool:
             except InvalidRequest:
                 partial = None
         if key in self.stopping.aborted:
-            return self._abort_answer(step, req, partial) + self.core._fill(w)
+            return self._abort_answer(step, req, partial) + self.core.dispatcher.fill(w)
         self.stopping.held.discard(key)
         req.worker = None
         if partial is not None and partial.token_ids:
@@ -289,7 +289,7 @@ class RequestPool:
             req.progress = len(partial.token_ids)
         self._rebase(req, step.spec.policy_version)  # the version may have moved while it stopped
         step.shared.appendleft(key)
-        return [RequestsMoved(POOL, (key,), requeued=True), *self.core._fill(w)]
+        return [RequestsMoved(POOL, (key,), requeued=True), *self.core.dispatcher.fill(w)]
 
     # ---------------------------------------------------------------- dispatch --
 
@@ -311,7 +311,7 @@ class RequestPool:
             req = step.requests.get(key)
             if req is None or req.worker is not None or req.resume is not None or req.failures \
                     or req.spec.sampling.logprobs_mode not in ("", w.hello.logprobs_mode):
-                affinity.unwant(key)  # the usual path (``_takeable``) decides for it
+                affinity.unwant(key)  # the usual path (``Dispatcher.takeable``) decides for it
                 continue
             try:
                 i = step.shared.index(key, 0, AFFINITY_WINDOW)
@@ -355,7 +355,7 @@ class RequestPool:
                     or req.spec.sampling.logprobs_mode not in ("", core.workers[wid].hello.logprobs_mode):
                 skipped.append(key)
                 continue
-            actions += core.start_request(core.workers[wid], step, req, now)
+            actions += core.dispatcher.start_request(core.workers[wid], step, req, now)
             room[wid] -= 1
             if not room[wid]:
                 del room[wid]

@@ -118,6 +118,16 @@ class CoreParts(Protocol):
     """``Mover``."""
     pool: Any
     """``RequestPool``."""
+    balancer: Any
+    """``Balancer``."""
+    history: Any
+    """``LengthHistory``."""
+    rng: Any
+    """``random.Random``: draft jobs' seeds."""
+    drafts: Any
+    """``DraftJobs``."""
+    dispatcher: Any
+    """``Dispatcher``."""
 
     @property
     def version(self) -> int: ...
@@ -125,19 +135,13 @@ class CoreParts(Protocol):
     @property
     def weights_path(self) -> str: ...
 
-    def _fill(self, w: WorkerState, limit: int | None = None, plan: bool = True) -> list: ...
-
-    def _stop_drafts(self, w: WorkerState, keep: int = 0) -> list: ...
-
-    def start_request(self, w: WorkerState, step: StepState, req: RequestState, now: float) -> list: ...
+    def _current_step(self) -> StepState | None: ...
 
     def open_step(self, spec: StepSpec) -> StepState: ...
 
     def close_step(self, step_id: str) -> None: ...
 
     def new_request(self, spec: RequestSpec) -> RequestState: ...
-
-    def _fill_all(self) -> list: ...
 
     def _predicted(self, prompt: tuple[int, ...]) -> float: ...
 

@@ -72,7 +72,7 @@ class EngineSleep:
         now = core.clock()
         for w in core.workers.values():
             w.asleep = True
-            actions += core._stop_drafts(w)
+            actions += core.drafts.stop(w)
             if level == 2:
                 w.version = -1
             core.timing.set_state(w, now)
@@ -83,7 +83,7 @@ class EngineSleep:
         self.level = None
         for w in self.core.workers.values():
             w.asleep = False
-        return self.core._fill_all()
+        return self.core.dispatcher.fill_all()
 
 
 def check_tags(tags: list[str]) -> list[str] | None:

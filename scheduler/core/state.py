@@ -1,21 +1,20 @@
 """The scheduler's decision logic: a pure state machine (no I/O, no asyncio, clock injected).
 
-Worker events in (``handle`` with ``core/events.py``; or the ``on_*`` methods it calls),
-trainer calls in (``submit_step``, ``update_policy``, ...), ``tick``; actions out (``Assign``,
-``Deliver``, ``LoadPolicy``, ``RequestsMoved``, ...). The gRPC shell, the tests and the
-cluster simulator all drive this same class; the shell reads it only through its views
-(``stats``, ``step``, ``worker``: ``core/view.py``).
+Worker events in (``handle`` with ``core/events.py``: the one way in for them, for the shell
+and the simulator alike), trainer calls in (``submit_step``, ``update_policy``, ...), ``tick``;
+actions out (``Assign``, ``Deliver``, ``LoadPolicy``, ``RequestsMoved``, ...). The gRPC shell,
+the tests and the cluster simulator all drive this same class; the shell reads it only through
+its views (``stats``, ``step``, ``worker``: ``core/view.py``).
 
-Dispatch: every worker has a private queue (filled up front by the ``static`` policy) and
-every step a shared queue (``queue`` and ``longest-first``). A worker takes from its private
-queue first, then from the shared queues of steps in arrival order, up to its capacity, and
-only work of the policy version it has loaded. Work of a dead worker, and queued work of a
-straggler, goes to the step's shared queue. A worker with nothing left to take drafts.
+This module keeps the workers, the steps and their requests (joins and departures, steps
+submitted, completed, failed, cancelled; the straggler watch). Work of a dead worker, and
+queued work of a straggler, goes to the step's shared queue. Its collaborators own the rest:
+dispatch (``core/dispatch.py``), draft jobs (``core/drafts.py``), the policy version and its
+barrier (``core/policy.py``).
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 import statistics
@@ -26,7 +25,6 @@ from dataclasses import replace
 from bubblespec.client.types import (
     LOGPROBS_MODES,
     Completion,
-    Provenance,
     SamplingParams,
     SchedulingPolicy,
     StepSummary,
@@ -34,7 +32,9 @@ from bubblespec.client.types import (
 from bubblespec.scheduler.core.adapters import AdapterCommands
 from bubblespec.scheduler.core.balance import Balancer
 from bubblespec.scheduler.core.checks import check_completion
-from bubblespec.scheduler.core.drafting import DraftPlanner, draft_seed, job_sampling
+from bubblespec.scheduler.core.dispatch import Dispatcher
+from bubblespec.scheduler.core.drafting import DraftPlanner
+from bubblespec.scheduler.core.drafts import DraftJobs
 from bubblespec.scheduler.core.probes import by_probes, probe_first
 from bubblespec.scheduler.core.events import (
     Aborted,
@@ -61,21 +61,17 @@ from bubblespec.scheduler.core.timing import TimeAccounting
 from bubblespec.scheduler.core.types import (
     Abort,
     Action,
-    Assign,
     Deliver,
     Disconnect,
-    DraftJobSpec,
     ErrorCode,
     Ignored,
     InvalidRequest,
     ModelLimits,
     RequestsMoved,
     RequestSpec,
-    StartDraft,
     StepFailed,
     StepFinished,
     StepSpec,
-    StopDraft,
     WorkerHello,
     request_key,
     step_of,
@@ -83,13 +79,6 @@ from bubblespec.scheduler.core.types import (
 from bubblespec.scheduler.core.view import CoreView, StepView, step_view
 
 __all__ = ["CoreSettings", "RequestState", "SchedulerCore", "StepState", "WorkerState", "request_key"]
-
-
-HOLD_SECONDS = 1.0
-"""Longest dispatch waits for the results of a new step's stopped draft jobs (``_stop_arrived``)."""
-BESIDE_MIN_SAVING = 0.2
-"""Share of a completion's tokens from accepted future drafts (a running mean over completions
-offered any) below which no draft job runs beside requests."""
 
 
 class SchedulerCore(CoreView, AdapterCommands):
@@ -101,8 +90,9 @@ class SchedulerCore(CoreView, AdapterCommands):
 
     Collaborators, by composition: ``DraftPlanner`` (announced prompts), ``LengthHistory``
     (predicted response lengths), ``TimeAccounting`` (busy / idle / drafting seconds),
-    ``Pauser`` (``/pause``), ``Balancer`` (who takes queued work), ``PolicyVersions`` (the
-    version and an update in progress)."""
+    ``Pauser`` (``/pause``), ``Balancer`` (who takes queued work), ``Dispatcher`` (handing it
+    over), ``DraftJobs`` (draft jobs and what gates them), ``PolicyVersions`` (the version and
+    an update in progress)."""
 
     def __init__(self, settings: CoreSettings = CoreSettings(), clock: Callable[[], float] = lambda: 0.0,
                  rng: random.Random | None = None):
@@ -117,18 +107,13 @@ class SchedulerCore(CoreView, AdapterCommands):
         self.planner = DraftPlanner()
         self.history = LengthHistory(settings.max_length_history)  # predicted response lengths (core/history.py)
         self.timing = TimeAccounting(settings.timeline_segments, self._current_step)  # core/timing.py
-        self._jobs = itertools.count()
-        self._drafts_wanted = False  # the latest step asked for drafts of its lookahead
-        self._held: dict[tuple[int, ...], list[float]] = {}  # prompt -> [stopped jobs whose result is pending, since]
-        self._future_saving = -1.0  # running share of tokens from accepted future drafts (-1: none seen yet)
-        self._last_finish: tuple[float, float] | None = None  # (when, makespan) of the step that finished last
-        self._long_gap = False  # the trainer's last gap lasted at least as long as the step before it
-        self._tail: str | None = None  # the worker whose running out of the step's work began its tail (``_tail_begins``)
         self.pauser = Pauser(self)  # /pause and /resume (core/pause.py)
         self.balancer = Balancer(self)  # which worker takes queued work (core/balance.py)
         self.mover = Mover(self)  # long requests moved to idle workers (core/moves.py)
         self.pool = RequestPool(self)  # independent calls' requests (core/pool.py)
         self.versions = PolicyVersions(self)  # the policy version and its barrier (core/policy.py)
+        self.drafts = DraftJobs(self)  # draft jobs and what gates them (core/drafts.py)
+        self.dispatcher = Dispatcher(self)  # queued requests to workers (core/dispatch.py)
         self.liveness = NoWorkers(self)  # calls fail once no worker is left for too long (core/liveness.py)
 
     # ------------------------------------------------------------- workers --
@@ -152,7 +137,7 @@ class SchedulerCore(CoreView, AdapterCommands):
         self.workers[hello.worker_id] = w
         actions = self.versions.joined(w, version)  # it loads the cluster's version, or the update in progress
         self.timing.set_state(w, now)
-        return actions + self._fill(w)
+        return actions + self.dispatcher.fill(w)
 
     def remove_worker(self, worker_id: str, reason: str = "the worker left") -> list[Action]:
         """The worker's stream ended or it timed out: re-queue everything it held. Each request
@@ -181,10 +166,8 @@ class SchedulerCore(CoreView, AdapterCommands):
                 step.shared.appendleft(key)
                 step.requeued += 1
                 actions.append(RequestsMoved(step.spec.step_id, (key,), requeued=True))
-        for prompt in (*w.drafts.values(), *w.stopping.values()):
-            self.planner.done(prompt, complete=False)
-            self._release(prompt)
-        return actions + self.versions.check() + self._fill_all()
+        self.drafts.worker_gone(w)
+        return actions + self.versions.check() + self.dispatcher.fill_all()
 
     def _unfinished(self, key: str) -> tuple[StepState | None, RequestState | None]:
         step = self.steps.get(_step_of(key))
@@ -258,12 +241,9 @@ class SchedulerCore(CoreView, AdapterCommands):
             return []  # resume: nothing new to schedule
         now = self.clock()
         self.timing.flush(self.workers.values(), now)
-        if self._last_finish is not None and not any(s.active for s in self.steps.values()):
-            finished_at, makespan = self._last_finish
-            self._long_gap = makespan > 0 and now - finished_at >= makespan
+        self.drafts.step_arrives(spec, now, idle=not any(s.active for s in self.steps.values()))
         reqs = {r.key: RequestState(r) for r in _expand(spec)}
         step = StepState(spec, reqs, deque(), now)
-        self._tail = None
         for key, completion in (done or {}).items():
             if key in reqs:
                 reqs[key].done = True
@@ -272,7 +252,6 @@ class SchedulerCore(CoreView, AdapterCommands):
         if spec.policy is SchedulingPolicy.LONGEST_FIRST:
             order.sort(key=lambda k: -self.history.predicted(reqs[k].spec.prompt_token_ids))
         self.steps[spec.step_id] = step
-        self._drafts_wanted = spec.use_drafts
         live = [w for w in self.workers.values() if w.load_failed is None
                 and spec.policy_version in (w.version, w.loading)]
         if spec.policy is SchedulingPolicy.STATIC and live:
@@ -283,42 +262,13 @@ class SchedulerCore(CoreView, AdapterCommands):
             step.shared.extend(probe_first(order, reqs) if len(order) > room and spec.sampling.n > 1 else order)
         for p in spec.prompts:
             self.planner.forget(p.token_ids)
-        stopped = self._stop_arrived(spec)
+        stopped = self.drafts.stop_arrived(spec)
         for ids in spec.lookahead:
             self.planner.announce(ids, spec.sampling, "", self.history.predicted(ids))
         self._trim_steps()
         if len(step.completions) == len(reqs):
             return stopped + self._finish(step)
-        return stopped + self._fill_all()
-
-    def _stop_arrived(self, spec: StepSpec) -> list[Action]:
-        """Stop the draft jobs of the step's own prompts, which have arrived (a job kept beside
-        requests may still run one), and hold dispatch while any of them, or an earlier stopped
-        job of those prompts, has not reported (``on_draft_result``): a job stores its partial
-        draft before it reports, and a request dispatched earlier would read the draft store
-        without it. The reports take a few milliseconds (``HOLD_SECONDS`` at most, ``tick``);
-        then one fill places the whole step, as it would have at once (a fill per report
-        would split the balancer's placement into rounds, and scan every worker each time)."""
-        arrived = {p.token_ids for p in spec.prompts}
-        actions: list[Action] = []
-        now = self.clock()
-        for w in self.workers.values():
-            for job in [j for j, p in w.drafts.items() if p in arrived]:
-                actions.append(StopDraft(w.hello.worker_id, job))
-                w.stopping[job] = w.drafts.pop(job)
-            if spec.use_drafts:
-                for prompt in w.stopping.values():
-                    if prompt in arrived:
-                        self._held.setdefault(prompt, [0, now])[0] += 1
-        return actions
-
-    def _release(self, prompt: tuple[int, ...]) -> None:
-        """One pending draft result of ``prompt`` came (or never will)."""
-        held = self._held.get(prompt)
-        if held is not None:
-            held[0] -= 1
-            if held[0] <= 0:
-                del self._held[prompt]
+        return stopped + self.dispatcher.fill_all()
 
     def announce(self, prompts: list[tuple[int, ...]], sampling: SamplingParams) -> int:
         self.planner.check_room(prompts, self.settings.max_announced_prompts, "prompts")
@@ -351,16 +301,16 @@ class SchedulerCore(CoreView, AdapterCommands):
         self.check_requests(spec)
         keys = self.pool.submit(spec, single_version, session_id)
         if spec.use_drafts:
-            self._drafts_wanted = True
-        return keys, self._fill_all() if dispatch else []
+            self.drafts.wanted = True
+        return keys, self.dispatcher.fill_all() if dispatch else []
 
     def dispatch(self) -> list[Action]:
         """Hand out the queued work (after ``submit_requests(..., dispatch=False)``)."""
-        return self._fill_all()
+        return self.dispatcher.fill_all()
 
     def cancel_requests(self, keys: list[str]) -> list[Action]:
         """The callers of these pool requests went away: abort what runs, unqueue the rest."""
-        return self.pool.cancel(keys) + self._fill_all()
+        return self.pool.cancel(keys) + self.dispatcher.fill_all()
 
     def open_step(self, spec: StepSpec) -> StepState:
         """A step with no requests yet, that requests join (the pool)."""
@@ -380,7 +330,7 @@ class SchedulerCore(CoreView, AdapterCommands):
         """Drop length history and announced prompts (benchmarks compare arms from scratch)."""
         self.history.clear()
         self.planner = DraftPlanner()
-        self._future_saving, self._last_finish, self._long_gap = -1.0, None, False
+        self.drafts.forget()
 
     def cancel_step(self, step_id: str) -> list[Action]:
         step = self.steps.get(step_id)
@@ -389,7 +339,7 @@ class SchedulerCore(CoreView, AdapterCommands):
         if not step.active:
             return []
         step.cancelled = True
-        return self._drop_work(step) + self._finish(step) + self._fill_all()
+        return self._drop_work(step) + self._finish(step) + self.dispatcher.fill_all()
 
     def _drop_work(self, step: StepState) -> list[Action]:
         """Abort the step's running requests on their workers and unqueue the rest."""
@@ -486,7 +436,7 @@ class SchedulerCore(CoreView, AdapterCommands):
         w.moved_in.discard(key)
         self.history.record(req.spec.prompt_token_ids, len(completion.token_ids))
         if completion.provenance.sources:
-            self._note_future_saving(completion.provenance, len(completion.token_ids))
+            self.drafts.note_saving(completion.provenance, len(completion.token_ids))
         actions: list[Action]
         if step.spec.step_id == POOL:  # delivered and gone: the pool keeps no completion
             completion, actions = self.pool.delivered(step, req, completion)
@@ -496,20 +446,12 @@ class SchedulerCore(CoreView, AdapterCommands):
             actions = [Deliver(step.spec.step_id, completion)]
             if len(step.completions) == len(step.requests):
                 actions += self._finish(step)
-        actions += self._fill(w)
+        actions += self.dispatcher.fill(w)
         if req.moving_to is not None:  # it finished before its worker stopped it: the move is off
             self.mover.cancel(req)
         if self.settings.move_long_requests:  # out of work, or nearly (``Mover._can_take``): take over a long request
             actions += self.mover.take_for(w)
         return actions
-
-    def _note_future_saving(self, provenance: Provenance, tokens: int) -> None:
-        """Fold the share of a completion's tokens that came from accepted future drafts into
-        the running share that gates draft jobs beside requests (only completions that were
-        offered future draft tokens count; ``CoreSettings.max_draft_jobs_beside_requests``)."""
-        if tokens and provenance.drafted("future"):
-            share = provenance.accepted("future") / tokens
-            self._future_saving = share if self._future_saving < 0 else self._future_saving + 0.1 * (share - self._future_saving)
 
     def _predicted(self, prompt: tuple[int, ...]) -> float:
         """Expected response length of ``prompt`` (``LengthHistory.predicted``)."""
@@ -533,25 +475,13 @@ class SchedulerCore(CoreView, AdapterCommands):
         actions = self._take_back(step, req, worker_id, f"aborted by the worker: {reason or 'no reason given'}")
         if moving:  # it was to move, and failed first: it runs again from the start
             self.mover.cancel(req)
-        return actions + self._fill_all()
+        return actions + self.dispatcher.fill_all()
 
     def on_draft_result(self, worker_id: str, job_id: str, tokens: int, finished: bool = True) -> list[Action]:
         """A draft job ended: ``finished`` when its response ran to the end, else it was
         stopped (or failed) after ``tokens`` tokens; its partial draft is kept all the same."""
         w = self.workers.get(worker_id)
-        if w is None or (job_id not in w.drafts and job_id not in w.stopping):
-            return []
-        prompt = w.drafts.pop(job_id, None) or w.stopping.pop(job_id)
-        self.planner.done(prompt, complete=finished and tokens > 0)
-        self.timing.set_state(w, self.clock())
-        if self._held:  # dispatch waits (``_stop_arrived``): one fill, when the last pending
-            self._release(prompt)  # partial draft is stored, places the work and plans drafts
-            return [] if self._held else self._fill_all()
-        actions = self._fill(w)
-        if w.running and self._tail is not None and (first := self.workers.get(self._tail)) is not None \
-                and not first.running:  # e.g. a job the tail stopped: the idle worker that began the tail drafts it
-            actions += self._plan_drafts(first)
-        return actions
+        return [] if w is None else self.drafts.result(w, job_id, tokens, finished)
 
     # --------------------------------------------------------------- policy --
 
@@ -586,11 +516,8 @@ class SchedulerCore(CoreView, AdapterCommands):
         """Periodic checks: dead workers, stragglers, stalled requests."""
         now = self.clock()
         actions: list[Action] = []
-        expired = [p for p, (_, since) in self._held.items() if now - since > HOLD_SECONDS]
-        for prompt in expired:  # a draft result that never came: run the requests without the draft
-            del self._held[prompt]
-        if expired:
-            actions += self._fill_all()
+        if self.drafts.expire(now):  # a draft result that never came: run the requests without the draft
+            actions += self.dispatcher.fill_all()
         for w in [w for w in self.workers.values() if now - w.last_seen > self.settings.worker_timeout_seconds]:
             silent = f"silent for {now - w.last_seen:.1f}s"
             actions.append(Disconnect(w.hello.worker_id, silent))
@@ -640,199 +567,12 @@ class SchedulerCore(CoreView, AdapterCommands):
             req.worker, req.moved_from = None, wid
             req.failures.append((wid, f"no progress for {stall:g}s"))
             if len(req.failures) >= self.settings.max_attempts:  # a stall is a failed attempt
-                return actions + self._fail_step(step, req) + self._fill_all()
+                return actions + self._fail_step(step, req) + self.dispatcher.fill_all()
             moved.append(key)
         step.shared.extendleft(reversed(moved))
         step.moved += len(moved)
         if moved:
-            actions += [RequestsMoved(step.spec.step_id, tuple(moved)), *self._fill_all()]
-        return actions
-
-    # ------------------------------------------------------------- dispatch --
-
-    def _fill_all(self) -> list[Action]:
-        """Spread available work: one sample group at a time (one request at a time with
-        ``spread_samples``) to the worker with the fewest predicted tokens to go (core/balance.py)."""
-        actions = self.pool.place_with_siblings() + self.balancer.fill(self._group_size())
-        # the tail may begin now (``_tail_begins``): before any worker plans jobs beside its requests
-        if self._tail is None and self.settings.min_requests_beside_draft_jobs_at_tail:
-            for w in self.workers.values():
-                if cleared := self._tail_begins(w):
-                    actions += cleared
-                    break
-        for w in self.workers.values():
-            actions += self._fill(w, limit=0)  # idle workers without work: drafts
-        return actions
-
-    def _group_size(self) -> int:
-        step = self._current_step()
-        if step is None or self.settings.spread_samples:
-            return 1
-        return self.pool.group_size if step.spec.step_id == POOL else step.spec.sampling.n
-
-    def _fill(self, w: WorkerState, limit: int | None = None, plan: bool = True) -> list[Action]:
-        """Give ``w`` up to ``limit`` more requests (default: up to its capacity), then plan its
-        draft jobs unless ``plan`` is off (``_fill_all`` plans once the whole placement is done:
-        a job planned beside a worker's first request would be stopped by its second)."""
-        wid = w.hello.worker_id
-        if w.loading is not None or w.load_failed is not None or w.asleep or wid not in self.workers:
-            return []
-        now = self.clock()
-        actions: list[Action] = []
-        running, capacity = w.running, w.hello.capacity  # read once: this runs once per completion
-        budget = capacity if limit is None else limit
-        while len(running) < capacity and budget > 0:
-            budget -= 1
-            key = self._next_for(w)
-            if key is None:
-                break
-            step = self.steps[_step_of(key)]
-            actions += self.start_request(w, step, step.requests[key], now)
-        if plan and running and self.settings.max_draft_jobs_beside_requests:
-            actions += self._plan_drafts(w, self._beside(w, len(running)))
-        elif plan and not running and not self._held:  # held: work is due the moment the held results come
-            actions += self._tail_begins(w) + self._plan_drafts(w)
-        self.timing.set_state(w, now)
-        return actions
-
-    def start_request(self, w: WorkerState, step: StepState, req: RequestState, now: float) -> list[Action]:
-        """Hand queued ``req`` (taken off its queue) to ``w``, which has room and may run it."""
-        wid, key = w.hello.worker_id, req.spec.key
-        actions: list[Action] = []
-        if req.resume is not None:
-            w.moved_in.add(key)
-        if w.drafts:
-            actions += self._stop_drafts(w, keep=self._beside(w, len(w.running) + 1))
-        req.worker, req.started_at, req.progress, req.progress_at = wid, now, req.progress if req.resume else 0, now
-        w.running.add(key)
-        if step.spec.step_id == POOL:
-            self.pool.placed(req, wid)
-        self.balancer.stalls.started(step.spec.step_id, key, wid, now, self.settings.stall_seconds)
-        actions.append(Assign(wid, req.spec, min(self._predicted(req.spec.prompt_token_ids),
-                                                 float(req.spec.sampling.max_tokens)), req.resume))
-        return actions
-
-    def _beside(self, w: WorkerState, busy: int) -> int:
-        """Draft jobs ``w`` may run beside ``busy`` requests (never in a request's slot; none
-        beside fewer than ``min_requests_beside_draft_jobs``, or at the step's tail than
-        ``min_requests_beside_draft_jobs_at_tail``, beside a moved request, while future drafts
-        do not pay or while the trainer's gaps are long; ``CoreSettings.max_draft_jobs_beside_requests``)."""
-        if busy < self.settings.min_requests_beside_draft_jobs or self._long_gap or not self._future_drafts_pay() \
-                or w.moved_in or (self._tail is not None and busy < self.settings.min_requests_beside_draft_jobs_at_tail):
-            return 0
-        return max(0, min(self.settings.max_draft_jobs_beside_requests, w.capacity - busy))
-
-    def _future_drafts_pay(self) -> bool:
-        """Whether completions show future drafts paying (``BESIDE_MIN_SAVING``). Before any
-        completion was offered one: yes through the first step (``draft_beside_first_step``),
-        no after it (where workers propose no draft tokens, nothing will ever show them paying)."""
-        if self._future_saving < 0:
-            return self._last_finish is None and self.settings.draft_beside_first_step
-        return self._future_saving >= BESIDE_MIN_SAVING
-
-    def _next_for(self, w: WorkerState) -> str | None:
-        if self._held:  # a step's own prompts wait for their stopped draft jobs' results (``_stop_arrived``)
-            return None
-        while w.private:
-            key = w.private.popleft()
-            if self._takeable(w, key):
-                return key
-        for step in self.steps.values():
-            # an empty queue first: the cheapest test and, at a step's tail, the usual answer
-            if step.shared and step.active and step.spec.policy_version == w.version \
-                    and not self.pauser.holds(step.spec.step_id):
-                if step.spec.step_id == POOL and (key := self.pool.take_preferred(w)) is not None:
-                    return key  # its conversation's prefix is in ``w``'s KV cache (core/affinity.py)
-                for _ in range(len(step.shared)):  # keys it may not take go to the back, once
-                    key = step.shared.popleft()
-                    if self._takeable(w, key):
-                        return key
-        return None
-
-    def _takeable(self, w: WorkerState, key: str) -> bool:
-        step = self.steps.get(_step_of(key))
-        if step is None or not step.active:
-            return False
-        req = step.requests.get(key)
-        if req is None or req.done or req.worker is not None:  # None: a pool request whose caller went away
-            return False
-        if step.spec.policy_version != w.version or not _serves(w, step.spec.sampling) \
-                or (req.spec.adapter is not None and not self.pool.adapters.holds(w.hello.worker_id, req.spec.adapter)):
-            step.shared.append(key)  # someone with the right version, logprobs and adapter will take it
-            return False
-        if req.moved_from is None and not req.failures:
-            return True  # the common case: never moved nor failed, so no worker to keep it from
-        if req.resume is not None and not w.hello.accepts_resume:
-            if any(o.hello.accepts_resume for o in self.workers.values()):
-                step.shared.append(key)  # it goes on from a partial: only a worker that can continue one
-                return False
-            req.resume = None  # no worker left that can: it runs again from the start, as after a failure
-        tried = {wid for wid, _ in req.failures}
-        if (req.moved_from == w.hello.worker_id or w.hello.worker_id in tried) and self._another_can_run(w, step, tried):
-            step.shared.append(key)  # moved off this (slow or stalled) worker, or failed on it: not back to it
-            return False
-        return True
-
-    def _another_can_run(self, w: WorkerState, step: StepState, tried: set[str] = frozenset()) -> bool:  # type: ignore[assignment]
-        """Whether a worker other than ``w``, and none of those in ``tried``, can run the step's work."""
-        return any(o is not w and o.hello.worker_id not in tried and o.load_failed is None
-                   and o.version == step.spec.policy_version and _serves(o, step.spec.sampling)
-                   for o in self.workers.values())
-
-    def _drafter(self, w: WorkerState) -> bool:
-        """Whether ``w`` may run draft jobs now."""
-        return self.settings.drafting and w.hello.speculation and w.version == self.version and not w.asleep
-
-    def _tail_begins(self, w: WorkerState) -> list[Action]:
-        """If ``w`` is the first worker of the running step to have none of its work and to be
-        able to draft, the step's tail begins (``CoreSettings.min_requests_beside_draft_jobs_at_tail``):
-        stop the draft jobs beside the requests of every worker with fewer than that; none
-        starts beside so few again until the next step (``_beside``). Once a step: a pass over the workers."""
-        least = self.settings.min_requests_beside_draft_jobs_at_tail
-        if self._tail is not None or not least or w.running or self._held or w.loading is not None \
-                or w.load_failed is not None or not self._drafter(w) or self._current_step() is None:
-            return []
-        self._tail = w.hello.worker_id
-        return [a for o in self.workers.values() if o.running and o.drafts and len(o.running) < least
-                for a in self._stop_drafts(o)]
-
-    def _plan_drafts(self, w: WorkerState, width: int | None = None) -> list[Action]:
-        """Start draft jobs on ``w`` until it runs ``width`` (default: an idle worker's width)."""
-        if not self._drafter(w):
-            return []
-        if not self._drafts_wanted:  # drafting goes on after the step, until the next policy
-            return []
-        actions: list[Action] = []
-        if width is None:
-            width = self.settings.max_draft_jobs_per_worker
-            if self.settings.max_draft_jobs_during_step is not None and self._current_step() is not None:
-                width = min(width, self.settings.max_draft_jobs_during_step)
-            width = min(w.capacity, width)
-        while len(w.drafts) < width:
-            up = self.planner.pick()
-            if up is None:
-                break
-            # never a request's seed (nor its random stream); logprobs of a draft are not used
-            sampling = job_sampling(up, draft_seed(self.rng), w.hello.logprobs_mode)
-            job = DraftJobSpec(f"d{next(self._jobs)}", up.token_ids, sampling, self.version, up.for_step)
-            w.drafts[job.job_id] = up.token_ids
-            actions.append(StartDraft(w.hello.worker_id, job))
-        return actions
-
-    def _stop_drafts(self, w: WorkerState, keep: int = 0) -> list[Action]:
-        """Preempt ``w``'s draft jobs but the ``keep`` most valuable (their prompts predicted
-        longest); each stopped one still reports its (partial) result."""
-        if len(w.drafts) <= keep:
-            return []
-        jobs = list(w.drafts)
-        if keep:
-            upcoming = self.planner.upcoming
-            jobs.sort(key=lambda j: -(u.predicted_len if (u := upcoming.get(w.drafts[j])) is not None else -1.0))
-            jobs = jobs[keep:]
-        actions: list[Action] = []
-        for job in jobs:
-            actions.append(StopDraft(w.hello.worker_id, job))
-            w.stopping[job] = w.drafts.pop(job)
+            actions += [RequestsMoved(step.spec.step_id, tuple(moved)), *self.dispatcher.fill_all()]
         return actions
 
     # --------------------------------------------------------------- finish --
@@ -841,8 +581,6 @@ class SchedulerCore(CoreView, AdapterCommands):
         now = self.clock()
         self.timing.flush(self.workers.values(), now)
         step.finished_at = now
-        self._last_finish = (now, now - step.started_at)
-        self._tail = None
         self.planner.repredict(self.history.predicted)
         comps = step.completions.values()
         prov = _total(c.provenance for c in comps)
@@ -856,10 +594,7 @@ class SchedulerCore(CoreView, AdapterCommands):
         )
         # Draft jobs go on through the trainer's gap between steps (reward, training): the
         # workers idle there anyway. ``update_policy`` or the next step's work stops them.
-        actions: list[Action] = [StepFinished(step.spec.step_id, step.summary)]
-        if self.settings.max_draft_jobs_during_step is not None and self._current_step() is None:  # the gap: full width
-            actions += [a for w in self.workers.values() if not w.running for a in self._plan_drafts(w)]
-        return actions
+        return [StepFinished(step.spec.step_id, step.summary), *self.drafts.step_finished(now, now - step.started_at)]
 
     def _trim_steps(self) -> None:
         done = [sid for sid, s in self.steps.items() if not s.active]
@@ -887,11 +622,6 @@ class SchedulerCore(CoreView, AdapterCommands):
 
 
 _NOBODY = WorkerState(WorkerHello("", 1, 0, ModelLimits(1, 1)), 0, 0.0, 0.0)
-
-
-def _serves(w: WorkerState, sampling: SamplingParams) -> bool:
-    """``w`` returns the logprobs ``sampling`` asks for ('' = any: the shell resolves the default)."""
-    return sampling.logprobs_mode in ("", w.hello.logprobs_mode)
 
 
 def _not_running(worker_id: str, kind: str, key: str) -> Ignored:

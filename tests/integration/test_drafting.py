@@ -164,7 +164,7 @@ async def test_busy_workers_draft_beside_their_requests_and_the_next_step_uses_i
     # a step of accepted drafts opens it: warming it with real steps left it to timing (with no
     # gap between two steps, their drafts could stay too short to pay).
     await client.generate("beside-warm", token_prompts(2, seed=121), sp, policy_version=v)
-    core._future_saving = max(core._future_saving, 1.0)
+    core.drafts.future_saving = max(core.drafts.future_saving, 1.0)
     ahead = token_prompts(1, seed=122)
     agents = {ag.worker_id: ag for ag in cluster.agents}
     step = asyncio.create_task(client.generate("beside-a", token_prompts(2, seed=123), sp, policy_version=v,

@@ -15,7 +15,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 
 
 def state(core) -> tuple:
-    return (tuple(core.steps), tuple(sorted(core.planner.upcoming)), core._drafts_wanted,
+    return (tuple(core.steps), tuple(sorted(core.planner.upcoming)), core.drafts.wanted,
             tuple((w.hello.worker_id, tuple(sorted(w.running)), tuple(w.private)) for w in core.workers.values()))
 
 

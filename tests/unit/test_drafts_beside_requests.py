@@ -1,11 +1,11 @@
 """Draft jobs beside requests (``CoreSettings.max_draft_jobs_beside_requests``) and the hold on
-a prompt whose stopped draft job has not reported yet (``SchedulerCore._stop_arrived``)."""
+a prompt whose stopped draft job has not reported yet (``DraftJobs.stop_arrived``)."""
 
 from __future__ import annotations
 
 from bubblespec.client.types import Completion, FinishReason, Prompt, Provenance, SamplingParams, SchedulingPolicy, SourceStats
 from bubblespec.scheduler.core.drafting import DraftPlanner
-from bubblespec.scheduler.core.state import HOLD_SECONDS
+from bubblespec.scheduler.core.drafts import HOLD_SECONDS
 from bubblespec.scheduler.core.types import Assign, StartDraft, StopDraft
 from bubblespec.scheduler.core.validate import Limits, build_step
 
@@ -25,7 +25,7 @@ def prompts_step_with_lookahead(step_id: str, token_ids, lookahead, policy=Sched
 def paying_core(**settings):
     """A core whose recent completions accepted their future drafts (the gate of jobs beside requests is open)."""
     core, _ = make_core(**settings)
-    core._future_saving = 1.0
+    core.drafts.future_saving = 1.0
     return core
 
 
@@ -136,7 +136,7 @@ def test_a_dead_drafting_worker_releases_the_prompt_it_held() -> None:
 def test_no_job_runs_beside_requests_after_a_trainer_gap_as_long_as_the_step() -> None:
     for gap, beside in ((0.1, 2), (1.5, 0)):
         core, clock = make_core(max_draft_jobs_beside_requests=2)
-        core._future_saving = 1.0
+        core.drafts.future_saving = 1.0
         core.add_worker(hello("a", capacity=8))
         (a,) = of(core.submit_step(prompts_step_with_lookahead("s1", [(5, 6)], [LONG, LONGER, LONGEST])), Assign)
         clock.now += 1.0  # a step of 1 s

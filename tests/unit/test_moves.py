@@ -169,18 +169,18 @@ def test_a_moved_request_never_runs_on_a_worker_that_cannot_continue_it_while_on
     assert key in core.steps["s"].shared or any(x.request.key == key for x in of(actions, Assign))
     # once no worker left can resume, it runs from the start on one that cannot
     core.remove_worker("a")
-    placed = [x for x in of(core.tick() + core._fill_all(), Assign) if x.request.key == key]
+    placed = [x for x in of(core.tick() + core.dispatch(), Assign) if x.request.key == key]
     req = core.steps["s"].requests[key]
     assert req.resume is None and (placed or req.worker == "c")
 
 
 def test_no_draft_job_runs_beside_a_moved_request():
     core, _, on_a, on_b = busy_and_idle(max_draft_jobs_beside_requests=4)
-    core._future_saving = 1.0
+    core.drafts.future_saving = 1.0
     finish_then_tick(core, on_b)
     key = on_a[-1].request.key
     core.on_aborted("a", key, "moved", partial_of(on_a[-1], 7))
-    assert core.workers["b"].moved_in == {key} and core._beside(core.workers["b"], 1) == 0
+    assert core.workers["b"].moved_in == {key} and core.drafts.beside(core.workers["b"], 1) == 0
 
 
 def test_resume_seeds_are_fresh_and_never_a_draft_jobs():

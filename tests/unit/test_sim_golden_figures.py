@@ -1,7 +1,7 @@
 """The simulator's figures are exact to the last bit across its speed work: golden figures.
 
 Each case below was simulated by the code before the simulator and the core's hot paths were
-sped up (the engine's re-planning, the event loop, ``_fill`` / ``_next_for``, the step's
+sped up (the engine's re-planning, the event loop, dispatch's ``fill`` / ``next_for``, the step's
 provenance total); every float is compared with ``==``, not approximately. A change to a
 cost, a rounding or a summation order fails here. A change that is meant to move the figures
 (a new model, a new scheduling rule) updates these values and says why.
@@ -10,7 +10,7 @@ Draft jobs beside requests (``CoreSettings.max_draft_jobs_beside_requests``, 202
 new scheduling rule: the cases that came before it run without it (``BEFORE_BESIDE``), and
 three of them still give their old figures to the bit. The fourth ("suffix, gap, tail") moved
 in its second step by 0.007% (27.34283 -> 27.34101 s): dispatch now waits for the results of
-the draft jobs a new step's arrival stopped (``_stop_arrived``). The case "queue+drafts,
+the draft jobs a new step's arrival stopped (``DraftJobs.stop_arrived``). The case "queue+drafts,
 beside requests" runs the rule at its default. Its figures moved when jobs beside requests
 began in the first step (``CoreSettings.draft_beside_first_step``) and a placement came to plan
 drafts once, after every request of it was placed: steps 38.62 / 57.17 / 35.41 s became

@@ -100,7 +100,7 @@ def test_asleep_workers_get_no_work_and_no_drafts_and_level_2_forgets_their_weig
     sleep = EngineSleep(core)
     actions = sleep.sleep(1)
     assert sleep.asleep and all(w.asleep for w in core.workers.values())
-    assert len(of(actions, StopDraft)) == 2 and core._drafter(core.workers["a"]) is False
+    assert len(of(actions, StopDraft)) == 2 and core.drafts.drafter(core.workers["a"]) is False
     assert core.workers["a"].version == 0  # level 1 keeps the weights
     assert of(core.submit_step(step("s", 2)), Assign) == []  # asleep: nothing dispatched
     sleep.sleep(2)
