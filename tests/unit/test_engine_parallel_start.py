@@ -36,7 +36,8 @@ async def test_two_engines_build_at_once_each_with_its_own_core_binding(monkeypa
                      "thread": threading.current_thread().name})
         both_building.wait()  # BrokenBarrierError if the other start cannot begin until this one ends
         return SimpleNamespace(tokenizer=None, errored=False, shutdown=lambda: None,
-                               model_config=SimpleNamespace(get_vocab_size=lambda: 128, dtype="torch.float32"))
+                               model_config=SimpleNamespace(get_vocab_size=lambda: 128, dtype="torch.float32"),
+                               vllm_config=SimpleNamespace(lora_config=None))  # LoRA off, as vLLM's AsyncLLM has it
 
     monkeypatch.setattr(engine, "_build_engine", build)
     engines = [VllmEngine(EngineSettings(model=str(tmp_path / "model"), num_speculative_tokens=0, cpu_cores=core))
@@ -61,7 +62,8 @@ async def test_an_operator_set_start_method_stays(monkeypatch, tmp_path):
     def build(args, in_core):
         seen.append(os.environ.get("VLLM_WORKER_MULTIPROC_METHOD"))
         return SimpleNamespace(tokenizer=None, errored=False, shutdown=lambda: None,
-                               model_config=SimpleNamespace(get_vocab_size=lambda: 128, dtype="torch.float32"))
+                               model_config=SimpleNamespace(get_vocab_size=lambda: 128, dtype="torch.float32"),
+                               vllm_config=SimpleNamespace(lora_config=None))  # LoRA off, as vLLM's AsyncLLM has it
 
     monkeypatch.setattr(engine, "_build_engine", build)
     await VllmEngine(EngineSettings(model=str(tmp_path / "model"), num_speculative_tokens=0)).start()
