@@ -14,7 +14,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from bubblespec.client.types import LOGPROBS_MODES, FinishReason, PromptLogprob, Provenance, SamplingParams, SourceStats
 from bubblespec.worker.checkpoint import Checkpoint, CheckpointError, check_checkpoint, read_checkpoint
+from bubblespec.worker.engine_logprobs import prompt_rows, sample_positions, top_alternatives
 from bubblespec.worker.lifeline import STARTER, Lifeline
 from bubblespec.worker.lora import LOAD_OP as LORA_LOAD_OP
 from bubblespec.worker.lora import UNLOAD_OP as LORA_UNLOAD_OP
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
     from vllm import SamplingParams as VllmParams
     from vllm.config.model import LogprobsMode, ModelDType
     from vllm.inputs import TokensPrompt
-    from vllm.logprobs import Logprob, SampleLogprobs
     from vllm.tokenizers import TokenizerLike
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -510,12 +510,12 @@ class VllmEngine:
         async for out in self._llm.generate(prompt, self._params(request), request_id=request.key, **lora):
             c = out.outputs[0]
             tokens.extend(c.token_ids)
-            logprobs.extend(float(step[tok].logprob) for step, tok in zip(_positions(c.logprobs), c.token_ids))
+            logprobs.extend(float(step[tok].logprob) for step, tok in zip(sample_positions(c.logprobs), c.token_ids))
             if top_n:
-                tops.extend(_top(step, top_n) for step in _positions(c.logprobs))
+                tops.extend(top_alternatives(step, top_n) for step in sample_positions(c.logprobs))
             text.append(c.text)
             if out.prompt_logprobs and not scored:
-                scored = _prompt_rows(out.prompt_logprobs, request.prompt_token_ids, request.sampling.prompt_logprobs)
+                scored = prompt_rows(out.prompt_logprobs, request.prompt_token_ids, request.sampling.prompt_logprobs)
             reason, stop_reason = c.finish_reason, c.stop_reason
             if out.finished and not request.draft_job:
                 self.prefill.add(len(request.prompt_token_ids), out.num_cached_tokens or 0)
@@ -643,46 +643,6 @@ _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 class GenerationFailed(RuntimeError):
     """The engine ended a request without a result (vLLM finish reason ``abort`` or ``error``).
     The worker reports the request aborted; the scheduler counts a failed attempt."""
-
-
-def _positions(logprobs: SampleLogprobs | None) -> Iterable[dict[int, Logprob]]:
-    """A completion's logprobs per generated token (none: empty). Every generated position has
-    them; vLLM's ``FlatLogprobs`` form is a sequence of optional positions only in its type."""
-    return iter(logprobs) if logprobs else ()
-
-
-def _top(step: dict[int, Logprob], n: int) -> tuple[tuple[int, float], ...]:
-    """The ``n`` most likely (token id, logprob) of one position's vLLM logprobs (the sampled
-    token first, then the top ``n`` by rank; the sampled one is among them where it ranks within
-    ``n``), most likely first."""
-    ranked = sorted((lp.rank, tok, float(lp.logprob)) for tok, lp in step.items() if lp.rank is not None and lp.rank <= n)
-    return tuple((tok, lp) for _, tok, lp in ranked[:n])  # a tie with the sampled token can rank n + 1 of them
-
-
-def _prompt_rows(rows: Sequence[Mapping[int, Logprob] | None], prompt: tuple[int, ...],
-                 n: int | None) -> tuple[PromptLogprob, ...]:
-    """vLLM's ``RequestOutput.prompt_logprobs`` (None for the first prompt token, then per
-    position a dict: the prompt token, then the ``n`` most likely by rank, each once) as
-    ``PromptLogprob``s. Where the prompt token is among the ``n`` its entry holds that place's
-    rank, as in vLLM's dict; the order of the ``n`` is vLLM's (its rank order)."""
-    out = []
-    for i, row in enumerate(rows[1:], start=1):
-        token = prompt[i]
-        if row is None:
-            raise RuntimeError(f"vLLM sent no prompt logprobs for prompt position {i}")
-        items = list(row.items())
-        mine = row[token]
-        others = items[1:] if len(items) > (n or 0) else sorted(items, key=lambda kv: _rank(kv[1]))
-        top = tuple((t, float(lp.logprob), lp.decoded_token or "") for t, lp in others[:n or 0])
-        out.append(PromptLogprob(token, float(mine.logprob), _rank(mine), mine.decoded_token or "", top))
-    return tuple(out)
-
-
-def _rank(lp: Logprob) -> int:
-    """A prompt logprob's rank (vLLM ranks every prompt position's entries)."""
-    if lp.rank is None:
-        raise RuntimeError("vLLM sent a prompt logprob without its rank")
-    return int(lp.rank)
 
 
 def _stats_provenance(stats: dict) -> Provenance:

@@ -20,7 +20,8 @@ from bubblespec.scheduler.openai_api import create_router
 from bubblespec.scheduler.openai_chat import ChatCompletions
 from bubblespec.scheduler.settings import SchedulerSettings
 from bubblespec.scheduler.tokens_api import create_router as tokens_router
-from bubblespec.worker.engine import EngineOutput, EngineRequest, EngineSettings, VllmEngine, _prompt_rows
+from bubblespec.worker.engine import EngineOutput, EngineRequest, EngineSettings, VllmEngine
+from bubblespec.worker.engine_logprobs import prompt_rows as _prompt_rows
 from bubblespec.worker.resume import joined_prompt_logprobs, partial, resumed
 from fastapi import FastAPI
 from fastapi.testclient import TestClient

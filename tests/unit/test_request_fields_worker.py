@@ -18,7 +18,8 @@ from bubblespec.store import DraftEntry, DraftSource, prompt_key
 from bubblespec.store.memory import MemoryStore
 from bubblespec.worker.agent import WorkerAgent, WorkerSettings
 from bubblespec.worker.draft_index import Candidate, DraftLength, RequestDrafter
-from bubblespec.worker.engine import EngineOutput, EngineRequest, EngineSettings, VllmEngine, _top
+from bubblespec.worker.engine import EngineOutput, EngineRequest, EngineSettings, VllmEngine
+from bubblespec.worker.engine_logprobs import top_alternatives as _top
 from bubblespec.worker.resume import joined_top_logprobs, partial, resumed
 
 FIELDS = dict(min_tokens=3, include_stop_str_in_output=True, skip_special_tokens=False,
