@@ -4,6 +4,9 @@ then every answer (``ControlResult``) awaited together.
 A worker that leaves before it answers, or does not answer in time, counts as failed, with
 the reason; no call is ever reported done for a worker that did not say so. ``SchedulerService``
 owns one ``ControlCalls`` and routes ``control_result`` messages and departures to it.
+
+What goes into a worker's outbox is a core type (``core/types.py``: ``ControlCall``, the
+operation by name), as for the core's actions; ``wire.py`` turns it into the stream's message.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from bubblespec.api.v1 import rollout_pb2 as pb
+from bubblespec.scheduler.core.types import ControlCall
 
 __all__ = ["ControlAnswer", "ControlCalls"]
 
@@ -41,9 +45,8 @@ class ControlCalls:
     """Control calls fanned out to workers (weight-transfer routes, prefix-cache reset): sends
     one ``ControlCall`` per worker and collects each worker's ``ControlResult`` by call id."""
 
-    def __init__(self, send: Callable[[str, pb.SchedulerMessage], bool]):
-        """``send(worker_id, message)``: queue a message on the worker's stream; False when it
-        has none."""
+    def __init__(self, send: Callable[[str, ControlCall], bool]):
+        """``send(worker_id, call)``: queue a call on the worker's stream; False when it has none."""
         self._send = send
         self._pending: dict[str, tuple[str, asyncio.Future]] = {}  # call id -> (worker id, its answer)
         self._ids = itertools.count()
@@ -52,6 +55,7 @@ class ControlCalls:
                       policy_version: int = 0) -> dict[str, ControlAnswer]:
         """Send ``op`` to each worker of ``args`` (worker id -> its JSON arguments) and wait
         for every answer, at most ``timeout`` seconds in all."""
+        name = pb.ControlOp.Name(op).removeprefix("CONTROL_OP_").lower()  # the outbox carries it by name
         loop = asyncio.get_running_loop()
         waiting: dict[str, tuple[str, asyncio.Future]] = {}
         for wid, arguments in args.items():
@@ -59,9 +63,7 @@ class ControlCalls:
             fut = loop.create_future()
             self._pending[call_id] = (wid, fut)
             waiting[wid] = (call_id, fut)
-            msg = pb.SchedulerMessage(control=pb.ControlCall(call_id=call_id, op=op, json=json.dumps(arguments),
-                                                             policy_version=policy_version))
-            if not self._send(wid, msg):
+            if not self._send(wid, ControlCall(wid, call_id, name, json.dumps(arguments), policy_version)):
                 fut.set_result(ControlAnswer(wid, "not connected"))
         try:
             if waiting:

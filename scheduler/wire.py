@@ -32,6 +32,7 @@ from bubblespec.scheduler.core.types import (
     Abort,
     Action,
     Assign,
+    ControlCall,
     InvalidRequest,
     LoadPolicy,
     RequestSpec,
@@ -161,12 +162,14 @@ def _keep(c: Completion, msg: pb.Completion) -> None:
     _completion_memo[id(c)] = (c, msg)  # the reference keeps the id from being reused
 
 
-def scheduler_message(item: Action | pb.SchedulerMessage) -> pb.SchedulerMessage:
-    """What a worker's outbox holds (an action for that worker, or a control call already
-    built by ``control.py``) as the message its stream carries."""
+def scheduler_message(item: Action | ControlCall) -> pb.SchedulerMessage:
+    """What a worker's outbox holds (an action for that worker, or a control call: core types
+    only) as the message its stream carries."""
     match item:
-        case pb.SchedulerMessage():
-            return item
+        case ControlCall(_, call_id, op, arguments, policy_version):
+            return pb.SchedulerMessage(control=pb.ControlCall(
+                call_id=call_id, op=pb.ControlOp.Value(f"CONTROL_OP_{op.upper()}"), json=arguments,
+                policy_version=policy_version))
         case Assign(_, req, predicted, resume):
             return pb.SchedulerMessage(assign=_assignment(req, predicted, resume=resume))
         case Abort(_, key, keep_partial):

@@ -221,6 +221,25 @@ class StopDraft:
 
 
 @dataclass(frozen=True)
+class ControlCall:
+    """An engine control call for one worker (weight transfer, LoRA adapters, sleep, the prefix
+    cache: ``scheduler/control.py`` fans them out and awaits the answers). Like the actions for a
+    worker, it is what the worker's outbox holds; ``scheduler/wire.py`` turns it into the
+    stream's message."""
+
+    worker_id: str
+    call_id: str
+    """Echoed in the worker's answer."""
+    op: str
+    """The operation: ``ControlOp`` of ``rollout.proto`` without its ``CONTROL_OP_`` prefix, in
+    lower case (``init_weight_transfer``, ``sleep``, ``load_lora_adapter``, ...)."""
+    arguments: str
+    """Its arguments, a JSON object."""
+    policy_version: int = 0
+    """``finish_weight_update``: the version the new weights serve as."""
+
+
+@dataclass(frozen=True)
 class Disconnect:
     """Close a worker's stream (declared dead); it may reconnect and say hello again."""
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import pytest
 
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.api.v1 import rollout_pb2_grpc as pbg
@@ -23,7 +24,7 @@ from bubblespec.client.types import SamplingParams
 from bubblespec.scheduler import wire
 from bubblespec.scheduler.core.settings import CoreSettings
 from bubblespec.scheduler.core.state import SchedulerCore
-from bubblespec.scheduler.core.types import Abort, Assign, LoadPolicy, ModelLimits, RequestSpec, WorkerHello
+from bubblespec.scheduler.core.types import Abort, Assign, ControlCall, LoadPolicy, ModelLimits, RequestSpec, WorkerHello
 from bubblespec.scheduler.server import Scheduler
 from bubblespec.scheduler.service import END, SchedulerService
 from bubblespec.scheduler.settings import SchedulerSettings
@@ -70,13 +71,21 @@ def test_a_batch_entry_is_exactly_the_single_assignment():
 
 def test_runs_of_assignments_are_batched_in_order_and_nothing_overtakes_them():
     items = [_assign("w", 0), _assign("w", 1), Abort("w", "s/p0/0"), _assign("w", 2), LoadPolicy("w", 4, "/x"),
-             _assign("w", 3), pb.SchedulerMessage(control=pb.ControlCall(call_id="c")), _assign("w", 4), _assign("w", 5)]
+             _assign("w", 3), ControlCall("w", "c", "reset_prefix_cache", "{}"), _assign("w", 4), _assign("w", 5)]
     assert _shape(list(wire.scheduler_messages(items, batch=True))) == [
         ["s/p0/0", "s/p1/0"], "abort:s/p0/0", "assign:s/p2/0", "load_policy", "assign:s/p3/0", "control",
         ["s/p4/0", "s/p5/0"]]
     assert _shape(list(wire.scheduler_messages(items, batch=False))) == [
         "assign:s/p0/0", "assign:s/p1/0", "abort:s/p0/0", "assign:s/p2/0", "load_policy", "assign:s/p3/0", "control",
         "assign:s/p4/0", "assign:s/p5/0"]
+
+
+def test_the_outbox_holds_core_types_only_and_a_control_call_goes_out_by_its_op():
+    msg = wire.scheduler_message(ControlCall("w", "c7", "finish_weight_update", '{"weight_version": "s7"}', 7))
+    assert msg.control == pb.ControlCall(call_id="c7", op=pb.CONTROL_OP_FINISH_WEIGHT_UPDATE,
+                                         json='{"weight_version": "s7"}', policy_version=7)
+    with pytest.raises(TypeError, match="not a worker message"):  # protobuf built elsewhere is not carried
+        wire.scheduler_message(pb.SchedulerMessage(control=pb.ControlCall(call_id="c")))  # type: ignore[arg-type]
 
 
 def test_a_batch_stays_under_its_count_and_byte_caps(monkeypatch):
