@@ -286,10 +286,29 @@ async def run_bench(cluster, prompts: list[list], base_model: str, cfg: BenchCon
     # greedy: every run of every arm must give the first baseline run's tokens
     exact = {arm.name: all(outputs[run, arm.name] == outputs[0, "baseline"] for run in range(cfg.runs)) for arm in ARMS}
     per_run = [summarize([r for r in rows if r["run"] == run + 1], exact) for run in range(cfg.runs)]
+    differ = differences(outputs, cfg.runs)
+    for d in differ:
+        say(f"  NOT EXACT: {d['arm']}, run {d['run']}, step {d['step']}, completion {d['completion']}: "
+            f"first differs at token {d['at']} of {d['length']} (baseline {d['baseline_length']} tokens)")
     return {"config": cfg.__dict__, "workers": len(cluster.agents), "seconds": time.monotonic() - started,
             "reference_ms": reference, "engine_cores": _engine_cores(cluster),
-            "steps": rows, "runs": per_run, "summary": combine_runs(per_run),
+            "steps": rows, "runs": per_run, "summary": combine_runs(per_run), "differences": differ,
             "draft_cost": [await e.draft_cost() for e in cluster.engines if hasattr(e, "draft_cost")]}
+
+
+def differences(outputs: dict, runs: int) -> list[dict]:
+    """Every completion of every run of every arm whose tokens differ from the first baseline
+    run's (greedy: none should), with the first token where they part."""
+    out = []
+    base = outputs[0, "baseline"]
+    for (run, arm), steps in sorted(outputs.items()):
+        for step, (mine, ref) in enumerate(zip(steps, base), start=1):
+            for i, (a, b) in enumerate(zip(mine, ref)):
+                if tuple(a) != tuple(b):
+                    at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                    out.append({"arm": arm, "run": run + 1, "step": step, "completion": i, "at": at,
+                                "length": len(a), "baseline_length": len(b)})
+    return out
 
 
 def core_speed_line(rows: list[dict]) -> str:

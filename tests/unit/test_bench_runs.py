@@ -100,3 +100,16 @@ def test_the_speedup_at_equal_core_speed_divides_each_steps_makespan_by_its_core
     combined = {t["arm"]: t for t in combine_runs([summarize(_run(10.0, 5.0, order, 2), exact), list(table.values())])}
     assert combined["bubblespec"]["speedup_equal_speed_median"] == pytest.approx(1.0)
     assert equal_speed_line(summarize(_run(10.0, 5.0, order, 3), exact)) == ""
+
+
+def test_differences_name_each_completion_that_parts_from_the_baseline_and_where() -> None:
+    from bubblespec.cli.bench import differences
+
+    base = [[(1, 2, 3), (4, 5)], [(6,)]]  # two steps: two completions, then one
+    outputs = {(0, "baseline"): base, (0, "queue"): base, (1, "baseline"): base,
+               (0, "bubblespec"): [[(1, 2, 3), (4, 9, 9)], [(6,)]],
+               (1, "bubblespec"): [[(1, 2, 3), (4, 5)], [(6, 7)]]}
+    assert differences(outputs, 2) == [
+        {"arm": "bubblespec", "run": 1, "step": 1, "completion": 1, "at": 1, "length": 3, "baseline_length": 2},
+        {"arm": "bubblespec", "run": 2, "step": 2, "completion": 0, "at": 1, "length": 2, "baseline_length": 1},
+    ]
