@@ -30,7 +30,7 @@ from bubblespec.scheduler.core.drafting import shares_draft_seeds
 from bubblespec.store import DraftEntry, DraftSource, DraftStore, prompt_key
 from bubblespec.worker.checkpoint import CheckpointError
 from bubblespec.worker.engine import Engine, EngineOutput, EngineRequest, EngineSettings
-from bubblespec.worker.resume import joined, joined_prompt_logprobs, joined_top_logprobs, partial, resumed
+from bubblespec.worker.resume import frozen, joined, joined_prompt_logprobs, joined_top_logprobs, partial, resumed
 
 __all__ = ["WorkerAgent", "WorkerSettings", "stop_agents"]
 
@@ -461,7 +461,7 @@ class WorkerAgent:
                 if out.finish_reason is not None:
                     final = out
                 else:
-                    last = out
+                    last = frozen(out)  # what a stop sends: this output, not the engine's lists later
                     if time.monotonic() - last_report >= self.settings.progress_seconds:
                         last_report = time.monotonic()
                         self._report_progress(key, done_before + len(out.token_ids))

@@ -28,7 +28,7 @@ from bubblespec.client.types import Completion, FinishReason, PromptLogprob, Pro
 from bubblespec.scheduler.core.moves import resume_seed
 from bubblespec.worker.engine import EngineOutput, EngineRequest
 
-__all__ = ["joined", "joined_prompt_logprobs", "joined_top_logprobs", "partial", "resumed"]
+__all__ = ["frozen", "joined", "joined_prompt_logprobs", "joined_top_logprobs", "partial", "resumed"]
 
 
 def resumed(request: EngineRequest, before: Completion) -> EngineRequest:
@@ -72,6 +72,18 @@ def joined_prompt_logprobs(before: Completion | None, final: EngineOutput,
     if before is not None and before.prompt_logprobs:
         return tuple(before.prompt_logprobs)
     return tuple(final.prompt_logprobs[:max(0, prompt_tokens - 1)])
+
+
+def frozen(out: EngineOutput) -> EngineOutput:
+    """A progress output as it was when the engine yielded it. Its lists are the engine's live
+    ones (``VllmEngine.generate``), which go on growing: the final chunk's tokens go into them
+    before the engine's last await (the proposer's stats), so a request stopped in that await
+    would otherwise send a partial holding its whole response, end of text included, and the
+    worker it moved to would generate past the response's end. A copy per progress output (one
+    per 16 tokens of an assignment, ``ASSIGNMENT_STREAM_TOKENS``)."""
+    text = out.text if isinstance(out.text, str) else "".join(out.text)
+    return EngineOutput(out.key, tuple(out.token_ids), tuple(out.logprobs), text, out.finish_reason, out.provenance,
+                        out.stop_reason, tuple(out.top_logprobs), out.prompt_logprobs)
 
 
 def partial(step_id: str, prompt_id: str, sample_index: int, before: Completion | None, last: EngineOutput | None,

@@ -124,3 +124,44 @@ async def test_a_partial_as_long_as_the_request_may_be_is_refused_naming_resume(
     await asyncio.wait_for(agent.tasks["s/p0/1"], 5)
     (aborted,) = _sent(agent, "aborted")
     assert "resume" in aborted.reason and not aborted.HasField("partial") and not engine.requests
+
+
+class FinishingEngine(ScriptedEngine):
+    """As ``VllmEngine.generate``: the final chunk's tokens go into the live lists of the last
+    progress output, then the engine awaits the proposer's stats before it yields the final
+    output. A stop that lands in that await must send what the last progress output held."""
+
+    def __init__(self) -> None:
+        super().__init__(make=6, finish=True)
+        self.in_final_await = asyncio.Event()
+
+    async def generate(self, request: EngineRequest):
+        self.requests.append(request)
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        text: list[str] = []
+        for i in range(self.make):
+            tokens.append(10 + i)
+            logprobs.append(-0.5)
+            text.append(f"t{i}")
+            yield EngineOutput(request.key, tokens, logprobs, text)  # type: ignore[arg-type]
+        tokens.extend((20, 21, 2))  # the final chunk, ending in EOS
+        logprobs.extend((-0.1, -0.1, -0.1))
+        text.append("end")
+        self.in_final_await.set()
+        await asyncio.Event().wait()  # the provenance RPC, stopped here
+        yield EngineOutput(request.key, tuple(tokens), tuple(logprobs), "".join(text), FinishReason.STOP,
+                           Provenance(len(tokens)))
+
+
+async def test_a_stop_while_the_engine_finishes_sends_only_what_the_last_progress_output_held() -> None:
+    engine = FinishingEngine()
+    agent = WorkerAgent(WorkerSettings(worker_id="w"), engine, MemoryStore())  # type: ignore[arg-type]
+    await agent._handle(_assign())
+    await asyncio.wait_for(engine.in_final_await.wait(), 5)
+    await agent._handle(pb.SchedulerMessage(abort=pb.Abort(request_key="s/p0/1", keep_partial=True)))
+    (aborted,) = _sent(agent, "aborted")
+    p = cv.completion_from_pb(aborted.partial)
+    # not the finished response's 9 tokens (with its EOS): a worker going on from those would
+    # generate past the response's end
+    assert p.token_ids == tuple(range(10, 16)) and p.logprobs == (-0.5,) * 6 and p.text == "t0t1t2t3t4t5"
