@@ -144,7 +144,8 @@ class SimSettings:
     ``update_policy``) preempts them."""
     policy_updates: bool = False
     """Between steps, call ``update_policy`` and report every worker's load (the RL weight
-    push). Off by default: the core's barrier is O(workers^2) today (see docs/SIMULATOR.md)."""
+    push). Off by default. (It was off first because the barrier cost O(workers^2); the core now
+    keeps the set of workers still loading, docs/results/2026-11-22-simulator-first-runs.md.)"""
     load_seconds: float = 0.0
     """Simulated time one weight load takes, with ``policy_updates``."""
     straggler_watch: bool | None = None
