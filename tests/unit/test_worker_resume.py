@@ -29,16 +29,21 @@ class ScriptedEngine:
         self.waiting = asyncio.Event()
         self.dead = False
 
-    async def generate(self, request: EngineRequest):
+    async def progress(self, request: EngineRequest, tokens: list, logprobs: list, text: list):
+        """The progress outputs, over live lists as ``VllmEngine.generate`` yields them."""
         self.requests.append(request)
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        text: list[str] = []
         for i in range(self.make):
             tokens.append(10 + i)
             logprobs.append(-0.5)
             text.append(f"t{i}")
-            yield EngineOutput(request.key, tokens, logprobs, text)  # type: ignore[arg-type]
+            yield EngineOutput(request.key, tokens, logprobs, text)
+
+    async def generate(self, request: EngineRequest):
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        text: list[str] = []
+        async for out in self.progress(request, tokens, logprobs, text):
+            yield out
         if not self.finish:
             self.waiting.set()
             await asyncio.Event().wait()
@@ -136,15 +141,11 @@ class FinishingEngine(ScriptedEngine):
         self.in_final_await = asyncio.Event()
 
     async def generate(self, request: EngineRequest):
-        self.requests.append(request)
         tokens: list[int] = []
         logprobs: list[float] = []
         text: list[str] = []
-        for i in range(self.make):
-            tokens.append(10 + i)
-            logprobs.append(-0.5)
-            text.append(f"t{i}")
-            yield EngineOutput(request.key, tokens, logprobs, text)  # type: ignore[arg-type]
+        async for out in self.progress(request, tokens, logprobs, text):
+            yield out
         tokens.extend((20, 21, 2))  # the final chunk, ending in EOS
         logprobs.extend((-0.1, -0.1, -0.1))
         text.append("end")
