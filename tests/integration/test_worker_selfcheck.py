@@ -53,7 +53,10 @@ def test_up_and_demo_refuse_an_unsupported_vllm_with_their_status(monkeypatch, c
     started = []
     monkeypatch.setattr(compat, "installed_vllm", lambda: ("vllm", "0.31.0"))
     monkeypatch.setattr(AsyncLLM, "from_engine_args", classmethod(lambda cls, *a, **k: started.append(a)))
-    rc = cli_main([command, "--model", tiny_model, "--workers", "1"])
+    # up's scheduler on ports the OS picks: its defaults (50051, 8080) may be held on a shared machine
+    # (the session's redis-server takes a free port, which can be 50051)
+    ports = ["--grpc-port", "0", "--http-port", "0"] if command == "up" else []
+    rc = cli_main([command, "--model", tiny_model, "--workers", "1", *ports])
     err = capsys.readouterr().err
     assert rc == REFUSED_STATUS and started == []
     assert f"bubblespec {command}: " in err and "refusing to start: installed vllm 0.31.0" in err
