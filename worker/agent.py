@@ -29,8 +29,8 @@ from bubblespec.client.types import Completion
 from bubblespec.scheduler.core.drafting import shares_draft_seeds
 from bubblespec.store import DraftEntry, DraftSource, DraftStore, prompt_key
 from bubblespec.worker.checkpoint import CheckpointError
-from bubblespec.worker.engine import Engine, EngineOutput, EngineRequest, EngineSettings
-from bubblespec.worker.resume import frozen, joined, joined_prompt_logprobs, joined_top_logprobs, partial, resumed
+from bubblespec.worker.engine import Engine, EngineRequest, EngineSettings
+from bubblespec.worker.resume import Yielded, joined, joined_prompt_logprobs, joined_top_logprobs, partial, resumed
 
 __all__ = ["WorkerAgent", "WorkerSettings", "stop_agents"]
 
@@ -439,7 +439,7 @@ class WorkerAgent:
         (the batch entry it came in as, ``assigns[3]``; "" for a single ``assign``)."""
         key = a.request_key
         before = cv.completion_from_pb(a.resume) if a.HasField("resume") else None  # moved here: go on from it
-        last: EngineOutput | None = None
+        last: Yielded | None = None  # the latest progress output, as yielded: what a stop sends
         loaded = self.version  # the weights that generate it (stamped on the completion)
         prompt: tuple[int, ...] = ()
         try:
@@ -461,7 +461,7 @@ class WorkerAgent:
                 if out.finish_reason is not None:
                     final = out
                 else:
-                    last = frozen(out)  # what a stop sends: this output, not the engine's lists later
+                    last = Yielded.of(out)
                     if time.monotonic() - last_report >= self.settings.progress_seconds:
                         last_report = time.monotonic()
                         self._report_progress(key, done_before + len(out.token_ids))
@@ -488,7 +488,8 @@ class WorkerAgent:
             spent = await self.engine.abort(key)
             if key in self._keep_partial:  # stopped to move: send what it made, made by one policy version
                 if self.version == loaded:
-                    made = partial(a.step_id, a.prompt_id, a.sample_index, before, last, loaded, self.worker_id,
+                    sent = None if last is None else last.frozen()
+                    made = partial(a.step_id, a.prompt_id, a.sample_index, before, sent, loaded, self.worker_id,
                                    len(prompt), spent)
                     self._send(aborted=pb.Aborted(request_key=key, reason="moved", partial=cv.completion_to_pb(made)))
                 else:

@@ -22,13 +22,13 @@ the partial's text and the new text join into the text of all the tokens.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from bubblespec.client.types import Completion, FinishReason, PromptLogprob, Provenance
 from bubblespec.scheduler.core.moves import resume_seed
 from bubblespec.worker.engine import EngineOutput, EngineRequest
 
-__all__ = ["frozen", "joined", "joined_prompt_logprobs", "joined_top_logprobs", "partial", "resumed"]
+__all__ = ["Yielded", "joined", "joined_prompt_logprobs", "joined_top_logprobs", "partial", "resumed"]
 
 
 def resumed(request: EngineRequest, before: Completion) -> EngineRequest:
@@ -74,16 +74,29 @@ def joined_prompt_logprobs(before: Completion | None, final: EngineOutput,
     return tuple(final.prompt_logprobs[:max(0, prompt_tokens - 1)])
 
 
-def frozen(out: EngineOutput) -> EngineOutput:
-    """A progress output as it was when the engine yielded it. Its lists are the engine's live
-    ones (``VllmEngine.generate``), which go on growing: the final chunk's tokens go into them
-    before the engine's last await (the proposer's stats), so a request stopped in that await
-    would otherwise send a partial holding its whole response, end of text included, and the
-    worker it moved to would generate past the response's end. A copy per progress output (one
-    per 16 tokens of an assignment, ``ASSIGNMENT_STREAM_TOKENS``)."""
-    text = out.text if isinstance(out.text, str) else "".join(out.text)
-    return EngineOutput(out.key, tuple(out.token_ids), tuple(out.logprobs), text, out.finish_reason, out.provenance,
-                        out.stop_reason, tuple(out.top_logprobs), out.prompt_logprobs)
+@dataclass(frozen=True)
+class Yielded:
+    """A progress output and the lengths of its lists when the engine yielded it. The lists are
+    the engine's live ones (``VllmEngine.generate``), which go on growing: the final chunk's
+    tokens go into them before the engine's last await (the proposer's stats), so a request
+    stopped in that await would otherwise send a partial holding its whole response, end of
+    text included, and the worker it moved to would generate past the response's end. Only the
+    lengths are kept per output; ``frozen`` copies, once, for a stopped request."""
+
+    out: EngineOutput
+    lengths: tuple[int, int, int, int]
+
+    @classmethod
+    def of(cls, out: EngineOutput) -> Yielded:
+        return cls(out, (len(out.token_ids), len(out.logprobs), len(out.top_logprobs), len(out.text)))
+
+    def frozen(self) -> EngineOutput:
+        """The output as it was when yielded."""
+        out, (tokens, logprobs, tops, pieces) = self.out, self.lengths
+        text = out.text if isinstance(out.text, str) else "".join(out.text[:pieces])
+        return EngineOutput(out.key, tuple(out.token_ids[:tokens]), tuple(out.logprobs[:logprobs]), text,
+                            out.finish_reason, out.provenance, out.stop_reason, tuple(out.top_logprobs[:tops]),
+                            out.prompt_logprobs)
 
 
 def partial(step_id: str, prompt_id: str, sample_index: int, before: Completion | None, last: EngineOutput | None,
