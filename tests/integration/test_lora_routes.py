@@ -117,17 +117,24 @@ async def test_a_load_that_fails_on_one_worker_is_undone_on_the_others_and_names
         await close(c)
 
 
+def holding_loads(hold: asyncio.Event, held: list):
+    """A scripted worker's control answer: adapter loads are held (and kept in ``held``) while
+    ``hold`` is clear; everything else is answered at once."""
+    def control(call: pb.ControlCall):
+        if call.op == pb.CONTROL_OP_LOAD_LORA_ADAPTER and not hold.is_set():
+            held.append(call)
+            return FakeWorker.HOLD
+        return None
+    return control
+
+
 async def test_while_an_adapter_loads_its_requests_wait_and_the_base_models_go_on():
     s = await started()
     hold = asyncio.Event()
     hold.set()  # the first load is answered at once
     held: list[pb.ControlCall] = []
 
-    def control(call: pb.ControlCall):
-        if call.op == pb.CONTROL_OP_LOAD_LORA_ADAPTER and not hold.is_set():
-            held.append(call)
-            return FakeWorker.HOLD
-        return None
+    control = holding_loads(hold, held)
 
     c = await cluster_of(s, fakes(s, 1, control=control))
     try:
@@ -169,11 +176,7 @@ async def test_a_worker_that_joins_after_a_load_loads_every_adapter_first_and_on
     hold = asyncio.Event()
     held: list[pb.ControlCall] = []
 
-    def control(call: pb.ControlCall):
-        if call.op == pb.CONTROL_OP_LOAD_LORA_ADAPTER and not hold.is_set():
-            held.append(call)
-            return FakeWorker.HOLD
-        return None
+    control = holding_loads(hold, held)
 
     try:
         assert (await c.post("/v1/load_lora_adapter", ADAPTER)).status_code == 200
