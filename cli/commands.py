@@ -61,6 +61,7 @@ def _engine_settings(a: argparse.Namespace) -> EngineSettings:
         return EngineSettings(model=a.model, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                               num_speculative_tokens=a.num_speculative_tokens, draft_token_budget=a.draft_token_budget,
                               tensor_parallel_size=a.tensor_parallel_size, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
+                              enforce_eager=a.enforce_eager,
                               block_size=a.block_size,
                               dtype=a.dtype, cpu_cores=a.cpu_cores, logprobs_mode=a.logprobs_mode,
                               self_suffix_drafting=a.self_suffix_drafting,

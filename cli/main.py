@@ -107,6 +107,8 @@ def _engine_flags(p: argparse.ArgumentParser, speculative_tokens: int = 8, draft
     _add(p, "draft-token-budget", 256, "most draft tokens one engine step verifies over its whole batch (each "
          "request's share: budget // batch)")
     _add(p, "tensor-parallel-size", 1, "GPUs per engine")
+    _add(p, "enforce-eager", False, "run the model without torch.compile (vLLM's --enforce-eager): a faster "
+         "engine start, possibly slower passes")
     _add(p, "kv-cache-memory-bytes", 256 * 2**20, "KV cache size for CPU engines")
     _add(p, "block-size", 0, "tokens per KV-cache block, the prefix cache's unit (0 = vLLM's default: 128 on CPU, "
          "16 on GPUs; CPU engines take multiples of 32)")

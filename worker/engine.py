@@ -93,6 +93,11 @@ class EngineSettings:
     """Share of GPU memory vLLM may use (GPU engines)."""
     tensor_parallel_size: int = 1
     """GPUs per engine."""
+    enforce_eager: bool = False
+    """vLLM's ``enforce_eager``: run the model without torch.compile (and CUDA graphs). The
+    engine starts without compiling (on this project's 2-core CPU machine, a tiny model's
+    start fell from 57-74 s to 25 s); its passes may be slower. Outputs are those of the
+    same engine without speculation either way; compare engines in the same mode."""
     dtype: str = "auto"
     """Weights and activation dtype. ``auto`` on a CPU engine means the checkpoint's own dtype:
     vLLM's ``auto`` would run a float32 checkpoint in bfloat16, whose rounding varies with the
@@ -432,7 +437,7 @@ class VllmEngine:
                                               "makespan": s.draft_for_makespan},
                                # engine processes die with this one; their core binding is theirs alone
                                "bubblespec_lifeline": Lifeline(environ=_child_environ(s), cpus=cpus)},
-            enable_prefix_caching=True,
+            enable_prefix_caching=True, enforce_eager=s.enforce_eager,
             # vLLM's own stats go to its log and to the process-wide Prometheus registry, which nothing
             # serves here (the worker's metrics have their own registry, worker/metrics.py); recording
             # them was ~6% of a bench worker process's CPU, beside the engines on the same cores

@@ -39,7 +39,7 @@ def engine_settings(model: str, **over) -> EngineSettings:
     service) depending on what ran before. The measuring default has its own engine
     (test_paying_drafts_engine.py) and runs in the demo's subprocess (test_demo_output.py)."""
     base = dict(model=model, max_model_len=MAX_LEN, max_num_seqs=32, num_speculative_tokens=4,
-                kv_cache_memory_bytes=128 * 2**20, measure_draft_cost=False)
+                kv_cache_memory_bytes=128 * 2**20, measure_draft_cost=False, enforce_eager=True)
     base.update(over)
     return EngineSettings(**base)
 
@@ -131,7 +131,8 @@ async def vllm_reference(tiny_model, tmp_path_factory):
     port, log = _free_port(), tmp_path_factory.mktemp("vllm-reference") / "server.log"
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model, "--enable-scale-out",
            "--kv-cache-memory-bytes", str(256 * 2**20), "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", "512", "--dtype", "float32", "--logprobs-mode", "processed_logprobs", "--seed", "0"]
+           "--max-model-len", "512", "--dtype", "float32", "--logprobs-mode", "processed_logprobs", "--seed", "0",
+           "--enforce-eager"]
     with log.open("wb") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    start_new_session=True)

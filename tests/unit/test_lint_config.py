@@ -1,6 +1,6 @@
-"""CI lints and type-checks: .ci/run calls scripts/lint.sh between set-up and the tests, the tools
+"""CI lints and type-checks: .ci/run runs scripts/lint.sh after set-up, beside the tests, the tools
 come from the dev extra that scripts/setup.sh installs, and mypy checks every runtime package
-whole: the client, the scheduler, the worker, the store, telemetry and the integrations."""
+whole: the client, the shared package, the scheduler, the worker, the store, telemetry and the integrations."""
 
 import fnmatch
 import re
@@ -11,20 +11,29 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
-def _command(text: str) -> str:
-    """The line that runs the tests."""
-    lines = [line.strip() for line in text.splitlines() if "pytest" in line and not line.lstrip().startswith("#")]
-    assert len(lines) == 1, lines
-    return lines[0]
+README_TEST_COMMAND = "bash scripts/setup.sh && bash scripts/lint.sh && .venv/bin/python -m pytest -q"
 
 
-def test_ci_runs_lint_after_setup_and_before_the_tests_as_the_readme_says():
-    ci = _command((ROOT / ".ci" / "run").read_text())
-    steps = [s.strip() for s in ci.split("&&")]
-    assert steps[0] == "bash scripts/setup.sh"
-    assert steps.index("bash scripts/lint.sh") < next(i for i, s in enumerate(steps) if "pytest" in s)
+def _steps(text: str) -> list[str]:
+    """The commands a shell script runs, in order (comments and blank lines left out)."""
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_ci_runs_setup_then_lint_and_the_tests_as_the_readme_says():
+    """The README's test command is set-up, lint, tests; .ci/run runs the same three (lint beside
+    the tests, at the lowest priority) and fails when either lint or the tests fail."""
+    assert README_TEST_COMMAND in (ROOT / "README.md").read_text(), "README's test command changed: update .ci/run"
+    steps = _steps((ROOT / ".ci" / "run").read_text())
+    runs = [s for s in steps if not s.startswith(("set ", "cd "))]
+    assert runs[0] == "bash scripts/setup.sh", runs
+    lint = next(i for i, s in enumerate(runs) if "scripts/lint.sh" in s)
+    tests = next(i for i, s in enumerate(runs) if ".venv/bin/python -m pytest -q" in s)
+    assert lint < tests, "lint must start before the tests"
+    assert runs[lint].endswith("&"), "lint runs beside the tests"
     assert (ROOT / "scripts" / "lint.sh").is_file()
-    assert ci in (ROOT / "README.md").read_text(), "README's test command differs from .ci/run"
+    # both exit codes decide the run's
+    assert 'wait "$lint_pid" || lint_rc=$?' in runs
+    assert runs[-1] == '[ "$tests_rc" -eq 0 ] && [ "$lint_rc" -eq 0 ]', runs[-1]
 
 
 def test_lint_tools_are_pinned_in_the_dev_extra_that_setup_installs():
