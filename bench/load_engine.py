@@ -41,7 +41,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from bubblespec.client.types import FinishReason, Provenance
+from bubblespec.common.types import FinishReason, Provenance
 from bubblespec.scheduler.core.affinity import prefix_hashes
 from bubblespec.store.types import uint32_array
 from bubblespec.worker.checkpoint import CheckpointError

@@ -80,7 +80,7 @@ def fit(obs: list[Observation]) -> dict[str, float]:
 
 
 async def _timed(engine, prompts, max_tokens: int, drafts=None, tag: str = "c") -> tuple[float, list]:
-    from bubblespec.client.types import SamplingParams
+    from bubblespec.common.types import SamplingParams
     from bubblespec.worker.engine import EngineRequest
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

@@ -18,7 +18,7 @@ from bubblespec.client.errors import (
     AlreadyExists, AuthenticationFailed, BubbleSpecError, DeadlineExceeded, FatalError, InvalidArgument, NotFound,
     PreconditionFailed, ResourceExhausted, RetryableError, ServerError, ServiceUnavailable, StepCancelled,
 )
-from bubblespec.client.types import (
+from bubblespec.common.types import (
     Completion, FinishReason, Prompt, PromptLogprob, Provenance, SamplingParams, SchedulingPolicy, SourceStats,
     StepResult, StepSummary,
 )

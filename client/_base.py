@@ -17,11 +17,12 @@ import grpc
 
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.client import _check as ck
-from bubblespec.client import _convert as cv
 from bubblespec.client.errors import BubbleSpecError, RetryableError, ServerError, error_from_status
-from bubblespec.client.types import Completion, Prompt, SamplingParams, SchedulingPolicy, StepResult, StepSummary
+from bubblespec.common import codec as cv
+from bubblespec.common.transport import keepalive_options
+from bubblespec.common.types import Completion, Prompt, SamplingParams, SchedulingPolicy, StepResult, StepSummary
 
-__all__ = ["ClientSettings", "PromptLike", "Retry", "StepCollector", "keepalive_options", "make_announce_request",
+__all__ = ["ClientSettings", "PromptLike", "Retry", "StepCollector", "make_announce_request",
            "make_cancel_request", "make_generate_request", "make_update_policy_request", "to_prompts"]
 
 PromptLike = str | Sequence[int] | Prompt
@@ -114,21 +115,6 @@ class ClientSettings:
         return [("grpc.max_send_message_length", self.max_message_bytes),
                 ("grpc.max_receive_message_length", self.max_message_bytes),
                 *keepalive_options(self.keepalive_seconds, self.keepalive_timeout_seconds, self.reconnect_max_seconds)]
-
-
-def keepalive_options(every: float, timeout: float, reconnect_max: float) -> list[tuple[str, int]]:
-    """gRPC channel options: HTTP/2 pings every ``every`` s (also with no call running and with
-    no data flowing, as on a long stream that waits for its next completion), a connection whose
-    ping is unanswered for ``timeout`` s closed; reconnection attempts at most ``reconnect_max`` s apart.
-    The scheduler accepts pings this often (``SchedulerSettings.min_client_ping_seconds``)."""
-    backoff = [("grpc.initial_reconnect_backoff_ms", min(1000, int(reconnect_max * 1000))),
-               ("grpc.max_reconnect_backoff_ms", int(reconnect_max * 1000))]
-    if every <= 0:
-        return backoff
-    # gRPC >= 1.55 bounds a ping's answer by ping_timeout_ms (default 60 s) as well as keepalive_timeout_ms
-    return [*backoff, ("grpc.keepalive_time_ms", int(every * 1000)), ("grpc.keepalive_timeout_ms", int(timeout * 1000)),
-            ("grpc.http2.ping_timeout_ms", int(timeout * 1000)), ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.max_pings_without_data", 0)]
 
 
 def to_prompts(prompts: Sequence[PromptLike], field: str = "prompts") -> list[Prompt]:

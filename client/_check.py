@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 import grpc
 
 from bubblespec.client.errors import InvalidArgument
-from bubblespec.client.types import Prompt, SamplingParams, SchedulingPolicy
+from bubblespec.common.types import Prompt, SamplingParams, SchedulingPolicy
 
 __all__ = ["check_bool", "check_callable", "check_policy", "check_prompts", "check_sampling", "check_step",
            "check_str", "check_version"]

@@ -13,7 +13,7 @@ from bubblespec.api.v1 import rollout_pb2_grpc as pbg
 from bubblespec.client import _base
 from bubblespec.client._base import ClientSettings, ProgressCallback, PromptLike, StepCollector
 from bubblespec.client.errors import ServiceUnavailable
-from bubblespec.client.types import Completion, SamplingParams, SchedulingPolicy, StepResult
+from bubblespec.common.types import Completion, SamplingParams, SchedulingPolicy, StepResult
 
 __all__ = ["RolloutClient"]
 

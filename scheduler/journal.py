@@ -41,8 +41,8 @@ from typing import Any, cast
 from google.protobuf.message import DecodeError
 
 from bubblespec.api.v1 import rollout_pb2 as pb
-from bubblespec.client import _convert as cv
-from bubblespec.client.types import Completion
+from bubblespec.common import codec as cv
+from bubblespec.common.types import Completion
 from bubblespec.scheduler.pending import Pending
 from bubblespec.scheduler.wire import completion_pb
 from bubblespec.store import StoreSettings

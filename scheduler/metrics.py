@@ -38,7 +38,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from bubblespec.client.types import Completion, StepSummary
+    from bubblespec.common.types import Completion, StepSummary
     from bubblespec.scheduler.core.state import SchedulerCore
     from bubblespec.scheduler.core.view import StepView
     from bubblespec.scheduler.service import SchedulerService

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from bubblespec.client.types import Completion, Prompt, SamplingParams, SchedulingPolicy
+from bubblespec.common.types import Completion, Prompt, SamplingParams, SchedulingPolicy
 from bubblespec.scheduler.core.types import ErrorCode, InvalidRequest, ModelLimits, StepSpec
 from bubblespec.scheduler.core.validate import Limits, build_step
 from bubblespec.scheduler.openai_prompt import check_priority, echo_logprobs, parse_prompt_logprobs, prompt_logprobs_json

@@ -24,7 +24,7 @@ import jinja2.nodes
 import jinja2.parser
 import jinja2.sandbox
 
-from bubblespec.client.types import Completion, Prompt, SamplingParams
+from bubblespec.common.types import Completion, Prompt, SamplingParams
 from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits, StepSpec
 from bubblespec.scheduler.openai_api import NULL_RESPONSE_FIELDS, _Completions, _decoder, parse_sampling
 from bubblespec.scheduler.openai_prompt import prompt_logprobs_json

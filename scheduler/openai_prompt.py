@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from bubblespec.client.types import Completion, PromptLogprob
+from bubblespec.common.types import Completion, PromptLogprob
 from bubblespec.scheduler.core.types import InvalidRequest
 
 __all__ = ["check_priority", "echo_logprobs", "parse_prompt_logprobs", "prompt_logprobs_json"]

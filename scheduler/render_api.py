@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from bubblespec.client.types import SamplingParams
+from bubblespec.common.types import SamplingParams
 from bubblespec.scheduler.core.types import ErrorCode, InvalidRequest
 from bubblespec.scheduler.openai_api import _refusal, error, read_json, unauthorized
 from bubblespec.scheduler.openai_chat import ChatCompletions

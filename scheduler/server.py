@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.api.v1 import rollout_pb2_grpc as pbg
-from bubblespec.client.types import SchedulingPolicy
+from bubblespec.common.types import SchedulingPolicy
 from bubblespec.scheduler.auth import TokenAuthInterceptor
 from bubblespec.scheduler.core.state import SchedulerCore
 from bubblespec.scheduler.metrics import SchedulerMetrics

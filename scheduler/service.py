@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bubblespec.client.types import Completion, SamplingParams, StepSummary
+from bubblespec.common.types import Completion, SamplingParams, StepSummary
 from bubblespec.scheduler.control import ControlCalls
 from bubblespec.scheduler.core.checks import check_replayed
 from bubblespec.scheduler.core.events import WorkerEvent, WorkerJoined, WorkerLeft

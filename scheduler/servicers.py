@@ -15,8 +15,8 @@ from typing import Any
 import grpc
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.api.v1 import rollout_pb2_grpc as pbg
-from bubblespec.client import _convert as cv
-from bubblespec.client.types import LOGPROBS_MODES, SamplingParams, SchedulingPolicy
+from bubblespec.common import codec as cv
+from bubblespec.common.types import LOGPROBS_MODES, SamplingParams, SchedulingPolicy
 from bubblespec.scheduler.core.types import ErrorCode, InvalidRequest, ModelLimits, WorkerHello
 from bubblespec.scheduler.core.validate import (
     Limits,

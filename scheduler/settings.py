@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bubblespec.client.types import SchedulingPolicy
+from bubblespec.common.types import SchedulingPolicy
 from bubblespec.scheduler.core.settings import CoreSettings
 from bubblespec.scheduler.core.validate import Limits
 

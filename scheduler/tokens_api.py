@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from bubblespec.client.types import Completion, Prompt, SamplingParams
+from bubblespec.common.types import Completion, Prompt, SamplingParams
 from bubblespec.scheduler.core.types import ErrorCode, InvalidRequest, ModelLimits, StepSpec
 from bubblespec.scheduler.core.validate import check_cache_salt
 from bubblespec.scheduler.openai_prompt import check_priority, prompt_logprobs_json

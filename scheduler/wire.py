@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from bubblespec.api.v1 import rollout_pb2 as pb
-from bubblespec.client import _convert as cv
-from bubblespec.client.types import Completion, SamplingParams, StepSummary
+from bubblespec.common import codec as cv
+from bubblespec.common.types import Completion, SamplingParams, StepSummary
 from bubblespec.scheduler.core.events import (
     Aborted,
     Completed,

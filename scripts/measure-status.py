@@ -19,7 +19,7 @@ import asyncio
 import statistics
 import time
 
-from bubblespec.client.types import Prompt, SamplingParams
+from bubblespec.common.types import Prompt, SamplingParams
 from bubblespec.scheduler.core.events import WorkerJoined
 from bubblespec.scheduler.core.settings import CoreSettings
 from bubblespec.scheduler.core.types import ModelLimits, WorkerHello

@@ -9,7 +9,7 @@ import grpc
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.api.v1 import rollout_pb2_grpc as pbg
 from bubblespec.client._base import make_generate_request
-from bubblespec.client.types import SamplingParams
+from bubblespec.common.types import SamplingParams
 
 __all__ = ["GREEDY", "call_client", "prompt_ids", "raw_generate", "token_prompts"]
 

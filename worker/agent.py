@@ -23,10 +23,10 @@ import grpc
 
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.api.v1 import rollout_pb2_grpc as pbg
-from bubblespec.client import _convert as cv
-from bubblespec.client._base import keepalive_options
-from bubblespec.client.types import Completion
-from bubblespec.scheduler.core.drafting import shares_draft_seeds
+from bubblespec.common import codec as cv
+from bubblespec.common.transport import keepalive_options
+from bubblespec.common.types import Completion
+from bubblespec.common.rules import shares_draft_seeds
 from bubblespec.store import DraftEntry, DraftSource, DraftStore, prompt_key
 from bubblespec.worker.checkpoint import CheckpointError
 from bubblespec.worker.engine import Engine, EngineRequest, EngineSettings

@@ -32,7 +32,7 @@ request whose acceptance collapsed drafts one probe token every ``probe_every`` 
 Paying length: where the engine knows what one draft token costs a pass
 (``DraftLength.draft_token_seconds``, measured by ``bubblespec calibrate``) and the batch's
 current tokens/s (``StepRate``, measured from the steps' wall time), ``min_accept_prob`` gives
-way to the scheduler core's cost rule (``scheduler.core.drafting.paying_draft_tokens``, the
+way to the shared cost rule (``common.rules.paying_draft_tokens``, the
 rule the simulator's engines use): the j-th token is drafted only while ``a**j`` exceeds the
 draft token's cost times the batch's tokens/s. It drafts deep where a pass is memory-bound and
 nothing where a draft token costs more than it is expected to save. The caps and the collapse
@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bubblespec.scheduler.core.drafting import paying_draft_tokens
+from bubblespec.common.rules import paying_draft_tokens
 
 __all__ = ["SOURCES", "Candidate", "DraftCostFit", "DraftLength", "RequestDrafter", "StepRate", "SuffixIndex",
            "SuffixRule"]

@@ -20,7 +20,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from bubblespec.client.types import LOGPROBS_MODES, FinishReason, PromptLogprob, Provenance, SamplingParams, SourceStats
+from bubblespec.common.types import LOGPROBS_MODES, FinishReason, PromptLogprob, Provenance, SamplingParams, SourceStats
 from bubblespec.worker.checkpoint import Checkpoint, CheckpointError, check_checkpoint, read_checkpoint
 from bubblespec.worker.engine_logprobs import prompt_rows, sample_positions, top_alternatives
 from bubblespec.worker.lifeline import STARTER, Lifeline

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from bubblespec.client.types import PromptLogprob
+from bubblespec.common.types import PromptLogprob
 
 if TYPE_CHECKING:
     from vllm.logprobs import Logprob, SampleLogprobs

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from bubblespec.client.types import Completion, FinishReason, PromptLogprob, Provenance
-from bubblespec.scheduler.core.moves import resume_seed
+from bubblespec.common.rules import resume_seed
+from bubblespec.common.types import Completion, FinishReason, PromptLogprob, Provenance
 from bubblespec.worker.engine import EngineOutput, EngineRequest
 
 __all__ = ["Yielded", "joined", "joined_prompt_logprobs", "joined_top_logprobs", "partial", "resumed"]

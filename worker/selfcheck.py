@@ -26,7 +26,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from bubblespec.client.types import SamplingParams
+from bubblespec.common.types import SamplingParams
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable

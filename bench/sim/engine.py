@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from bubblespec.bench.sim.costs import CostProfile
 from bubblespec.bench.sim.workload import AcceptanceModel, expected_accepted
-from bubblespec.scheduler.core.drafting import paying_draft_tokens
+from bubblespec.common.rules import paying_draft_tokens
 
 __all__ = ["Member", "SimulatedEngine"]
 

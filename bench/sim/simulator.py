@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 from dataclasses import MISSING, dataclass, field, fields, replace
 
-from bubblespec.client.types import (
+from bubblespec.common.types import (
     Completion,
     FinishReason,
     Prompt,

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bubblespec.scheduler.core.drafting import paying_draft_tokens
+from bubblespec.common.rules import paying_draft_tokens
 
 __all__ = ["AcceptanceModel", "LengthModel", "SimPrompt", "TraceWorkload", "Workload", "expected_accepted"]
 
@@ -81,7 +81,7 @@ class AcceptanceModel:
     """With ``paying`` off: draft the j-th token only while ``alpha**j`` stays at or above this
     (the worker's ``DraftLength`` rule)."""
     paying: bool = True
-    """Draft length by cost (``scheduler.core.drafting.paying_draft_tokens``): the j-th token
+    """Draft length by cost (``common.rules.paying_draft_tokens``): the j-th token
     only while ``alpha**j`` exceeds the pass's cost of a draft token times the batch's
     tokens/s, so drafting turns itself off where it costs more than it saves and goes deep
     where a pass is memory-bound. Off: the fixed ``min_accept_prob`` rule."""

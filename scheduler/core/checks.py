@@ -10,7 +10,7 @@ requests, and to the step's policy version). Pure: no I/O.
 
 from __future__ import annotations
 
-from bubblespec.client.types import Completion, FinishReason
+from bubblespec.common.types import Completion, FinishReason
 from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits, RequestSpec, StepSpec, request_key
 
 __all__ = ["check_completion", "check_prompt_logprobs", "check_replayed"]

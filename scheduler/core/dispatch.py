@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from bubblespec.client.types import SamplingParams
+from bubblespec.common.types import SamplingParams
 from bubblespec.scheduler.core.pool import POOL
 from bubblespec.scheduler.core.types import Action, Assign, step_of
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING
 
-from bubblespec.client.types import Provenance
+from bubblespec.common.types import Provenance
 from bubblespec.scheduler.core.drafting import draft_seed, job_sampling
 from bubblespec.scheduler.core.types import Action, DraftJobSpec, StartDraft, StepSpec, StopDraft
 

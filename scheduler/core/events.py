@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bubblespec.client.types import Completion
+from bubblespec.common.types import Completion
 from bubblespec.scheduler.core.types import WorkerHello
 
 __all__ = [

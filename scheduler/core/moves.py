@@ -17,7 +17,7 @@ the request shares its passes with at most half as many others):
 
 A response continued from its own prefix is drawn from the same distribution as one generated
 in one go, so the result is exact (docs/EXACTNESS.md). A seeded request goes on with
-``resume_seed``: its seed's stream drew the partial's tokens, and drawing the rest from it again
+``resume_seed`` (``common/rules.py``): its seed's stream drew the partial's tokens, and drawing the rest from it again
 would tie the two. Where a continuation could differ, a request does not move:
 
 - it has stop strings (one could span the partial's end);
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from bubblespec.client.types import Completion
+from bubblespec.common.types import Completion
 from bubblespec.scheduler.core.pool import checked_partial, continued
 from bubblespec.scheduler.core.types import Abort, Action, Ignored, InvalidRequest, RequestsMoved, step_of
 
@@ -43,25 +43,10 @@ if TYPE_CHECKING:
     from bubblespec.scheduler.core.records import CoreParts as SchedulerCore
     from bubblespec.scheduler.core.records import RequestState, StepState, WorkerState
 
-__all__ = ["RESUME_SEEDS", "SOURCES_LOOKED_AT", "Mover", "resume_seed"]
+__all__ = ["SOURCES_LOOKED_AT", "Mover"]
 
 SOURCES_LOOKED_AT = 8
 """Fullest batches a worker that just ran out of work looks at for a request to take over."""
-
-RESUME_SEEDS = (5 * 2**60, 3 * 2**61)
-"""Seeds of seeded requests' continuations: [5·2**60, 3·2**61), below every draft job's
-(``drafting.DRAFT_SEEDS``). Requests may have any int64 seed, these included."""
-
-
-def resume_seed(seed: int, tokens: int) -> int:
-    """The seed a seeded request goes on with after ``tokens`` tokens elsewhere: fresh draws,
-    the same for the same (seed, tokens), never a draft job's seed. All 64 bits of the seed
-    (modulo 2**64, as torch reads it) reach the result: seeds that differ only in their top
-    bits do not go on with the same draws."""
-    mixed = (seed * 0x9E3779B97F4A7C15 + tokens * 0xC2B2AE3D27D4EB4F) % (1 << 64)
-    mixed ^= mixed >> 32
-    return RESUME_SEEDS[0] + mixed % (RESUME_SEEDS[1] - RESUME_SEEDS[0])
-
 
 class Mover:
     """Which running requests idle workers take over, and the move's three messages (module

@@ -34,7 +34,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from bubblespec.client.types import Completion, FinishReason, SamplingParams, SchedulingPolicy
+from bubblespec.common.types import Completion, FinishReason, SamplingParams, SchedulingPolicy
 from bubblespec.scheduler.core.adapters import AdapterTable, check_adapter
 from bubblespec.scheduler.core.affinity import Affinity
 from bubblespec.scheduler.core.checks import check_completion

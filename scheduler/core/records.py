@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from bubblespec.client.types import Completion, Provenance, SourceStats, StepSummary
+from bubblespec.common.types import Completion, Provenance, SourceStats, StepSummary
 from bubblespec.scheduler.core.types import (
     RequestSpec,
     StepFailed,

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 
-from bubblespec.client.types import (
+from bubblespec.common.types import (
     LOGPROBS_MODES,
     Completion,
     SamplingParams,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from bubblespec.client.types import Completion, SamplingParams, SchedulingPolicy, StepSummary
+from bubblespec.common.types import Completion, SamplingParams, SchedulingPolicy, StepSummary
 
 __all__ = [
     "Abort",

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
-from bubblespec.client.types import LOGPROBS_MODES, Prompt, SamplingParams, SchedulingPolicy
+from bubblespec.common.types import LOGPROBS_MODES, Prompt, SamplingParams, SchedulingPolicy
 from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits, PromptSpec, StepSpec
 
 __all__ = [

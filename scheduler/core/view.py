@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, cast
 
-from bubblespec.client.types import Completion, StepSummary
+from bubblespec.common.types import Completion, StepSummary
 from bubblespec.scheduler.core.records import CoreParts, StepState, WorkerState
 from bubblespec.scheduler.core.types import Action, ModelLimits, StepFailed, WorkerStatus
 

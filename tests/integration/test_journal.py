@@ -28,7 +28,7 @@ import pytest
 import redis
 
 from bubblespec.client import AsyncRolloutClient, FinishReason, Provenance, Retry, SamplingParams
-from bubblespec.client.types import Completion
+from bubblespec.common.types import Completion
 from bubblespec.scheduler.core.settings import CoreSettings
 from bubblespec.scheduler.journal import StepJournal
 from bubblespec.scheduler.server import Scheduler

@@ -15,7 +15,7 @@ from bubblespec.cli.loadtest import (
     run_loadtest,
     summary_text,
 )
-from bubblespec.client.types import FinishReason, SamplingParams
+from bubblespec.common.types import FinishReason, SamplingParams
 from bubblespec.scheduler.wire import ASSIGN_BATCH_MAX
 from bubblespec.worker.agent import BATCH_MAX
 from bubblespec.worker.engine import EngineRequest

@@ -24,7 +24,7 @@ import pytest
 
 from bubblespec.bench.tiny_lora import build_tiny_lora
 from bubblespec.cli.commands import Cluster
-from bubblespec.client.types import Completion, SamplingParams
+from bubblespec.common.types import Completion, SamplingParams
 from bubblespec.scheduler.core.types import Deliver
 from bubblespec.scheduler.settings import SchedulerSettings
 from bubblespec.store import StoreSettings, open_store, prompt_key

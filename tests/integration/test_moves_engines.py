@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 
 from bubblespec.client import Prompt, SamplingParams, SchedulingPolicy
-from bubblespec.client.types import Completion
+from bubblespec.common.types import Completion
 from bubblespec.worker.engine import EngineRequest
 from bubblespec.worker.resume import joined, resumed
 from tests.factories import token_prompts

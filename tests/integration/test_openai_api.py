@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from bubblespec.client.types import SamplingParams
+from bubblespec.common.types import SamplingParams
 
 pytestmark = pytest.mark.timeout(600)
 

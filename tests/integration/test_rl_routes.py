@@ -15,7 +15,7 @@ import contextlib
 import httpx
 import pytest
 
-from bubblespec.client.types import Prompt, SamplingParams
+from bubblespec.common.types import Prompt, SamplingParams
 from bubblespec.bench.tiny_model import perturb_weights
 from tests.factories import token_prompts
 

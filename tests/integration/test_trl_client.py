@@ -12,7 +12,7 @@ import asyncio
 
 import pytest
 
-from bubblespec.client.types import SamplingParams
+from bubblespec.common.types import SamplingParams
 from bubblespec.worker.engine import EngineRequest
 from tests.factories import token_prompts
 

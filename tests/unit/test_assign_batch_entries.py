@@ -5,7 +5,7 @@ the single ``assign`` of its request, in order, and survives the round trip over
 from __future__ import annotations
 
 from bubblespec.api.v1 import rollout_pb2 as pb
-from bubblespec.client.types import SamplingParams
+from bubblespec.common.types import SamplingParams
 from bubblespec.scheduler import wire
 from bubblespec.scheduler.core.types import Assign, RequestSpec
 

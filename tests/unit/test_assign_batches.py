@@ -20,7 +20,7 @@ import pytest
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.api.v1 import rollout_pb2_grpc as pbg
 from bubblespec.bench.load_engine import LoadEngineSettings, LoadTestEngine
-from bubblespec.client.types import SamplingParams
+from bubblespec.common.types import SamplingParams
 from bubblespec.scheduler import wire
 from bubblespec.scheduler.core.settings import CoreSettings
 from bubblespec.scheduler.core.state import SchedulerCore

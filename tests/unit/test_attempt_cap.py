@@ -8,7 +8,7 @@ workers and the step stays failed on resume. Moving queued work is never an atte
 
 from __future__ import annotations
 
-from bubblespec.client.types import Completion, FinishReason, Prompt, SamplingParams, SchedulingPolicy
+from bubblespec.common.types import Completion, FinishReason, Prompt, SamplingParams, SchedulingPolicy
 from bubblespec.scheduler.core.settings import CoreSettings
 from bubblespec.scheduler.core.state import SchedulerCore
 from bubblespec.scheduler.core.types import (

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bubblespec.client.types import Prompt, SamplingParams, SchedulingPolicy
+from bubblespec.common.types import Prompt, SamplingParams, SchedulingPolicy
 from bubblespec.scheduler.core.types import Assign, StartDraft, StepFinished
 from bubblespec.scheduler.core.validate import Limits, build_step
 

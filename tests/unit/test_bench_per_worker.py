@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bubblespec.cli.bench import _per_worker
-from bubblespec.client.types import Completion, FinishReason, Provenance, SourceStats, StepResult, StepSummary
+from bubblespec.common.types import Completion, FinishReason, Provenance, SourceStats, StepResult, StepSummary
 
 
 def completion(worker: str, tokens: int, passes: int, *sources: SourceStats) -> Completion:

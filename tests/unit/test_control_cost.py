@@ -22,9 +22,9 @@ import pytest
 
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.api.v1 import rollout_pb2_grpc as pbg
-from bubblespec.client import _convert as cv
 from bubblespec.client._base import StepCollector
-from bubblespec.client.types import Completion, FinishReason, Provenance, SamplingParams
+from bubblespec.common import codec as cv
+from bubblespec.common.types import Completion, FinishReason, Provenance, SamplingParams
 from bubblespec.scheduler import wire as wire_module
 from bubblespec.scheduler.core.settings import CoreSettings
 from bubblespec.scheduler.core.types import Assign, RequestSpec

@@ -10,8 +10,8 @@ import hmac
 import pytest
 
 from bubblespec.api.v1 import rollout_pb2 as pb
-from bubblespec.client import _convert as cv
-from bubblespec.client.types import Completion, FinishReason, Provenance, SourceStats
+from bubblespec.common import codec as cv
+from bubblespec.common.types import Completion, FinishReason, Provenance, SourceStats
 from bubblespec.scheduler.core.types import InvalidRequest
 from bubblespec.scheduler.journal import _DOMAIN, StepJournal
 from bubblespec.scheduler.pending import Pending
@@ -80,7 +80,7 @@ async def test_queued_journal_writes_are_taken_all_at_once_in_order():
 
 
 async def test_a_step_subscriber_gets_the_completions_waiting_at_once_as_one_list_in_order():
-    from bubblespec.client.types import StepSummary
+    from bubblespec.common.types import StepSummary
     from bubblespec.scheduler.core.types import StepFailed
     from bubblespec.scheduler.service import END, _items
 

@@ -5,8 +5,8 @@ as STOP) is encoded anew, and fields this scheduler does not know are dropped.""
 from __future__ import annotations
 
 from bubblespec.api.v1 import rollout_pb2 as pb
-from bubblespec.client import _convert as cv
-from bubblespec.client.types import FinishReason
+from bubblespec.common import codec as cv
+from bubblespec.common.types import FinishReason
 from bubblespec.scheduler import wire as wire_module
 from bubblespec.scheduler.core.events import Completed
 

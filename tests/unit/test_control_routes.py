@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from bubblespec.api.v1 import rollout_pb2 as pb
-from bubblespec.client import _convert as cv
-from bubblespec.client.types import Completion, FinishReason, Prompt, SamplingParams
+from bubblespec.common import codec as cv
+from bubblespec.common.types import Completion, FinishReason, Prompt, SamplingParams
 from bubblespec.scheduler.core.settings import CoreSettings
 from bubblespec.scheduler.core.state import SchedulerCore
 from bubblespec.scheduler.core.types import ModelLimits, WorkerHello

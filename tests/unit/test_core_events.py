@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from bubblespec.client.types import Completion, FinishReason, SchedulingPolicy
+from bubblespec.common.types import Completion, FinishReason, SchedulingPolicy
 from bubblespec.scheduler.core.events import (
     Aborted, Completed, DraftResult, Heartbeat, PolicyLoaded, Progress, WorkerJoined, WorkerLeft, WorkerSeen,
 )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from bubblespec.client.types import SamplingParams
+from bubblespec.common.types import SamplingParams
 from bubblespec.scheduler.core.types import Assign, InvalidRequest
 from tests.unit.test_core import complete, hello, make_core, of, step
 

@@ -9,7 +9,7 @@ An assignment's progress comes every 16 tokens, a draft job's every token (``str
 from __future__ import annotations
 
 from bubblespec.api.v1 import rollout_pb2 as pb
-from bubblespec.client.types import FinishReason, Provenance, SamplingParams
+from bubblespec.common.types import FinishReason, Provenance, SamplingParams
 from bubblespec.worker.agent import ASSIGNMENT_STREAM_TOKENS, WorkerAgent, WorkerSettings
 from bubblespec.worker.engine import EngineInfo, EngineOutput, EngineRequest, EngineSettings, VllmEngine
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 
 from bubblespec.api.v1 import rollout_pb2 as pb
-from bubblespec.client.types import FinishReason, Provenance
+from bubblespec.common.types import FinishReason, Provenance
 from bubblespec.store import ResilientStore, StoreSettings, prompt_key
 from bubblespec.store.memory import MemoryStore
 from bubblespec.store.types import StoreUnavailable

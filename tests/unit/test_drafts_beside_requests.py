@@ -3,7 +3,7 @@ a prompt whose stopped draft job has not reported yet (``DraftJobs.stop_arrived`
 
 from __future__ import annotations
 
-from bubblespec.client.types import Completion, FinishReason, Prompt, Provenance, SamplingParams, SchedulingPolicy, SourceStats
+from bubblespec.common.types import Completion, FinishReason, Prompt, Provenance, SamplingParams, SchedulingPolicy, SourceStats
 from bubblespec.scheduler.core.drafting import DraftPlanner
 from bubblespec.scheduler.core.drafts import HOLD_SECONDS
 from bubblespec.scheduler.core.types import Assign, StartDraft, StopDraft

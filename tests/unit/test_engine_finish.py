@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from bubblespec.api.v1 import rollout_pb2 as pb
-from bubblespec.client.types import FinishReason, SamplingParams
+from bubblespec.common.types import FinishReason, SamplingParams
 from bubblespec.worker.agent import WorkerAgent, WorkerSettings
 from bubblespec.worker.engine import EngineRequest, EngineSettings, GenerationFailed, VllmEngine
 

@@ -9,7 +9,7 @@ import asyncio
 import json
 from collections import Counter
 
-from bubblespec.client.types import Prompt, SamplingParams
+from bubblespec.common.types import Prompt, SamplingParams
 from bubblespec.scheduler.core.pool import POOL
 from bubblespec.scheduler.core.validate import Limits, build_step
 

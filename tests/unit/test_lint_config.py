@@ -45,7 +45,7 @@ def test_lint_tools_are_pinned_in_the_dev_extra_that_setup_installs():
     assert re.search(r"import [^\"]*\bruff\b[^\"]*\bmypy\b", setup), "setup.sh does not reinstall when they are missing"
 
 
-RUNTIME = {"client", "integrations", "scheduler", "store", "telemetry", "worker"}
+RUNTIME = {"client", "common", "integrations", "scheduler", "store", "telemetry", "worker"}
 """The runtime packages' folders; the others are the CLI, the bench and the generated protobuf modules."""
 
 

@@ -8,7 +8,7 @@ import asyncio
 import random
 
 from bubblespec.bench.load_engine import EOS_TOKEN_ID, FIRST_TOKEN_ID, LoadEngineSettings, LoadTestEngine
-from bubblespec.client.types import FinishReason, SamplingParams
+from bubblespec.common.types import FinishReason, SamplingParams
 from bubblespec.worker.engine import EngineRequest
 
 

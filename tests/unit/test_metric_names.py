@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 from bubblespec.api.v1 import rollout_pb2 as pb
-from bubblespec.client.types import Completion, FinishReason, Provenance, SamplingParams, SchedulingPolicy, SourceStats
+from bubblespec.common.types import Completion, FinishReason, Provenance, SamplingParams, SchedulingPolicy, SourceStats
 from bubblespec.scheduler.core.settings import CoreSettings
 from bubblespec.scheduler.core.state import SchedulerCore
 from bubblespec.scheduler.core.types import Assign, ModelLimits, PromptSpec, StepSpec, WorkerHello

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from bubblespec.client.types import Completion, FinishReason, Provenance, SamplingParams
-from bubblespec.scheduler.core.drafting import DRAFT_SEEDS
-from bubblespec.scheduler.core.moves import RESUME_SEEDS, resume_seed
+from bubblespec.common.rules import DRAFT_SEEDS, RESUME_SEEDS, resume_seed
+from bubblespec.common.types import Completion, FinishReason, Provenance, SamplingParams
 from bubblespec.scheduler.core.types import Abort, Assign, Deliver, Ignored, RequestsMoved, WorkerHello
 
 from tests.unit.test_core import LIMITS, complete, make_core, of, step

@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 from bubblespec.api.v1 import rollout_pb2 as pb
-from bubblespec.client import _convert as cv
-from bubblespec.client.types import Completion, FinishReason, Provenance, SamplingParams, SourceStats
+from bubblespec.common import codec as cv
+from bubblespec.common.types import Completion, FinishReason, Provenance, SamplingParams, SourceStats
 from bubblespec.scheduler import wire
 from bubblespec.scheduler.core.events import Aborted
 from bubblespec.scheduler.core.types import Abort, Assign, RequestSpec

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.bench.tiny_model import CHAT_TEMPLATE, build_tiny_tokenizer
-from bubblespec.client import _convert as cv
+from bubblespec.common import codec as cv
 from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits
 from bubblespec.scheduler.core.validate import Limits
 from bubblespec.scheduler.openai_api import create_router

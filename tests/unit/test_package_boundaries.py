@@ -1,7 +1,11 @@
 """The package boundaries the layout promises, checked on the source.
 
-- The runtime packages (scheduler, worker, store, client, telemetry, integrations, api) never
-  import the bench package (RLVR workload, tiny model, simulated engines) or the CLI.
+- The runtime packages (scheduler, worker, store, client, common, telemetry, integrations, api)
+  never import the bench package (RLVR workload, tiny model, simulated engines) or the CLI.
+- The three processes meet only in ``bubblespec.common`` (types, codec, transport options,
+  shared rules) and the protocol (``bubblespec.api``): the scheduler and the worker import
+  nothing of each other or of the SDK, the SDK nothing of either, and the shared package none
+  of the three.
 - No import cycles between modules (module-level imports; imports inside functions and under
   ``TYPE_CHECKING`` are deliberate late bindings and not counted).
 """
@@ -13,12 +17,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {
-    "bubblespec.api": "proto/bubblespec/api", "bubblespec.client": "client", "bubblespec.store": "store",
-    "bubblespec.scheduler": "scheduler", "bubblespec.worker": "worker", "bubblespec.cli": "cli",
+    "bubblespec.api": "proto/bubblespec/api", "bubblespec.client": "client", "bubblespec.common": "common",
+    "bubblespec.store": "store", "bubblespec.scheduler": "scheduler", "bubblespec.worker": "worker", "bubblespec.cli": "cli",
     "bubblespec.telemetry": "telemetry", "bubblespec.integrations": "integrations", "bubblespec.bench": "bench",
 }
-RUNTIME = ("bubblespec.api", "bubblespec.client", "bubblespec.store", "bubblespec.scheduler", "bubblespec.worker",
-           "bubblespec.telemetry", "bubblespec.integrations")
+RUNTIME = ("bubblespec.api", "bubblespec.client", "bubblespec.common", "bubblespec.store", "bubblespec.scheduler",
+           "bubblespec.worker", "bubblespec.telemetry", "bubblespec.integrations")
 OFF_LIMITS = ("bubblespec.bench", "bubblespec.cli")
 
 
@@ -67,6 +71,22 @@ def test_the_runtime_packages_never_import_the_bench_package_or_the_cli():
         for name in _imports(path, m, top_level_only=False, known=modules) if _within(name, OFF_LIMITS)
     )
     assert [m for m in modules if _within(m, ("bubblespec.bench.sim",))], "the bench package moved: fix PACKAGES"
+    assert wrong == []
+
+
+def test_the_processes_share_only_the_common_package_and_the_protocol():
+    modules = _modules()
+    assert [m for m in modules if _within(m, ("bubblespec.common",))], "the shared package moved: fix PACKAGES"
+    apart = {"bubblespec.scheduler": ("bubblespec.worker", "bubblespec.client"),
+             "bubblespec.worker": ("bubblespec.scheduler", "bubblespec.client"),
+             "bubblespec.client": ("bubblespec.scheduler", "bubblespec.worker"),
+             "bubblespec.common": ("bubblespec.scheduler", "bubblespec.worker", "bubblespec.client")}
+    wrong = sorted(
+        f"{m} imports {name}"
+        for package, off_limits in apart.items()
+        for m, path in modules.items() if _within(m, (package,))
+        for name in _imports(path, m, top_level_only=False, known=modules) if _within(name, off_limits)
+    )
     assert wrong == []
 
 

@@ -5,7 +5,7 @@ refusal of new steps."""
 from __future__ import annotations
 
 import pytest
-from bubblespec.client.types import Completion, FinishReason, Prompt, SamplingParams, SchedulingPolicy
+from bubblespec.common.types import Completion, FinishReason, Prompt, SamplingParams, SchedulingPolicy
 from bubblespec.scheduler.core.settings import CoreSettings
 from bubblespec.scheduler.core.state import SchedulerCore
 from bubblespec.scheduler.core.types import (

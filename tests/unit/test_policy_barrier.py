@@ -11,8 +11,8 @@ import asyncio
 
 import pytest
 from bubblespec.api.v1 import rollout_pb2 as pb
-from bubblespec.client import _convert as cv
-from bubblespec.client.types import Completion, FinishReason
+from bubblespec.common import codec as cv
+from bubblespec.common.types import Completion, FinishReason
 from bubblespec.scheduler.core.types import (
     Assign,
     Deliver,

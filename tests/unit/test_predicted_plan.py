@@ -13,7 +13,7 @@ import numpy as np
 from test_core import complete, hello, make_core, of, step
 from test_tail_drafts import CPU_TINY_DRAFT_TOKEN, Batch
 
-from bubblespec.client.types import SamplingParams
+from bubblespec.common.types import SamplingParams
 from bubblespec.scheduler import wire
 from bubblespec.scheduler.core.types import Assign, RequestSpec
 from bubblespec.worker.engine import EngineRequest, EngineSettings, VllmEngine

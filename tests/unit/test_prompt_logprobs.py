@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 from bubblespec.bench.tiny_model import build_tiny_tokenizer
-from bubblespec.client import _convert as cv
-from bubblespec.client.types import Completion, FinishReason, PromptLogprob, SamplingParams
+from bubblespec.common import codec as cv
+from bubblespec.common.types import Completion, FinishReason, PromptLogprob, SamplingParams
 from bubblespec.scheduler.core.checks import check_prompt_logprobs
 from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits
 from bubblespec.scheduler.core.validate import Limits

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 from bubblespec.bench.tiny_model import build_tiny_tokenizer
-from bubblespec.client.types import Completion, FinishReason, SamplingParams
+from bubblespec.common.types import Completion, FinishReason, SamplingParams
 from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits
 from bubblespec.scheduler.core.validate import Limits, build_step, check_sampling
 from bubblespec.scheduler.openai_api import create_router, parse_sampling
@@ -139,7 +139,7 @@ def test_seeds_cover_int64_and_values_are_checked_by_name():
 
 
 def test_a_prompt_whose_max_tokens_is_below_min_tokens_is_refused():
-    from bubblespec.client.types import Prompt
+    from bubblespec.common.types import Prompt
 
     with pytest.raises(InvalidRequest) as e:
         build_step(step_id="s", policy_version=0, prompts=[Prompt("p0", token_ids=(1, 2), max_tokens=3)],

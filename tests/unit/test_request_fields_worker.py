@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from bubblespec.client import _convert as cv
-from bubblespec.client.types import Completion, FinishReason, Provenance, SamplingParams
-from bubblespec.scheduler.core.drafting import DRAFT_SEEDS
+from bubblespec.common import codec as cv
+from bubblespec.common.rules import DRAFT_SEEDS
+from bubblespec.common.types import Completion, FinishReason, Provenance, SamplingParams
 from bubblespec.store import DraftEntry, DraftSource, prompt_key
 from bubblespec.store.memory import MemoryStore
 from bubblespec.worker.agent import WorkerAgent, WorkerSettings

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from bubblespec.api.v1 import rollout_pb2 as pb
-from bubblespec.client import _convert as cv
-from bubblespec.client.types import Prompt, SamplingParams
+from bubblespec.common import codec as cv
+from bubblespec.common.types import Prompt, SamplingParams
 from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits
 from bubblespec.scheduler.core.validate import (
     Limits, build_step, check_request_bytes, check_sampling, check_weights_path, worker_message_bound,
@@ -116,7 +116,7 @@ def test_default_limits_fit_the_default_message_limits():
 
 
 def test_the_default_policy_is_an_enum_and_a_wrong_name_is_refused_naming_the_field():
-    from bubblespec.client.types import SchedulingPolicy
+    from bubblespec.common.types import SchedulingPolicy
 
     assert SchedulerSettings(default_policy="longest-first").default_policy is SchedulingPolicy.LONGEST_FIRST
     assert SchedulerSettings().default_policy is SchedulingPolicy.QUEUE

@@ -4,7 +4,7 @@ limits with a retry hint, vLLM's pause modes, version spans, failures and caller
 from __future__ import annotations
 
 import pytest
-from bubblespec.client.types import Completion, FinishReason, Prompt, SamplingParams
+from bubblespec.common.types import Completion, FinishReason, Prompt, SamplingParams
 from bubblespec.scheduler.core.pool import POOL, version_spans
 from bubblespec.scheduler.core.types import (
     Abort,

@@ -7,9 +7,9 @@ import random
 import pytest
 
 from bubblespec.api.v1 import rollout_pb2 as pb
-from bubblespec.client import _convert as cv
-from bubblespec.client.types import Completion, FinishReason, Prompt, SamplingParams
-from bubblespec.scheduler.core.drafting import DRAFT_SEEDS, shares_draft_seeds
+from bubblespec.common import codec as cv
+from bubblespec.common.rules import DRAFT_SEEDS, shares_draft_seeds
+from bubblespec.common.types import Completion, FinishReason, Prompt, SamplingParams
 from bubblespec.scheduler.core.settings import CoreSettings
 from bubblespec.scheduler.core.state import SchedulerCore
 from bubblespec.scheduler.core.types import Assign, InvalidRequest, ModelLimits, RequestSpec, StartDraft, WorkerHello

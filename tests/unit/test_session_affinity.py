@@ -3,7 +3,7 @@ holds its prefix while that worker has room; a full or gone worker loses it."""
 
 from __future__ import annotations
 
-from bubblespec.client.types import Prompt, SamplingParams
+from bubblespec.common.types import Prompt, SamplingParams
 from bubblespec.scheduler.core.affinity import Affinity, prefix_hashes
 from bubblespec.scheduler.core.types import Assign, Deliver
 from bubblespec.scheduler.core.validate import Limits, build_step

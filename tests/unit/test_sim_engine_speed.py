@@ -19,8 +19,8 @@ from bubblespec.bench.sim.costs import GPU_H100_7B, GPU_H100_7B_FLASH
 from bubblespec.bench.sim.engine import Member, SimulatedEngine, _cap_table
 from bubblespec.bench.sim.simulator import _frozen
 from bubblespec.bench.sim.workload import AcceptanceModel
-from bubblespec.client.types import Completion, FinishReason, Provenance, SourceStats
-from bubblespec.scheduler.core.drafting import paying_draft_tokens
+from bubblespec.common.rules import paying_draft_tokens
+from bubblespec.common.types import Completion, FinishReason, Provenance, SourceStats
 
 ALPHAS = [0.0, 1e-9, 0.05, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 0.999999]
 THRESHOLDS = [1e-300, 1e-6, 0.001, 0.01, 0.05, 0.1, 0.3, 0.5, 0.7, 0.9, 0.99, 0.999999]

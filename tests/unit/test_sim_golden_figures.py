@@ -48,7 +48,7 @@ import pytest
 from bubblespec.bench.sim.costs import GPU_H100_7B_PUBLISHED, CostProfile
 from bubblespec.bench.sim.simulator import SimSettings, simulate
 from bubblespec.bench.sim.workload import AcceptanceModel
-from bubblespec.client.types import Provenance, SourceStats
+from bubblespec.common.types import Provenance, SourceStats
 from bubblespec.scheduler.core.settings import CoreSettings
 from bubblespec.scheduler.core.state import _total
 

@@ -1,4 +1,4 @@
-"""The paying draft-length rule (``scheduler.core.drafting.paying_draft_tokens``): drafting turns
+"""The paying draft-length rule (``common.rules.paying_draft_tokens``): drafting turns
 itself off where a draft token costs more than it saves and goes deep where a pass is
 memory-bound; and the simulator's engines, which model the worker's proposer, follow it."""
 
@@ -8,7 +8,7 @@ from bubblespec.bench.sim.costs import GPU_H100_7B, CostProfile
 from bubblespec.bench.sim.engine import Member, SimulatedEngine
 from bubblespec.bench.sim.simulator import SimSettings, simulate
 from bubblespec.bench.sim.workload import AcceptanceModel, LengthModel, Workload
-from bubblespec.scheduler.core.drafting import paying_draft_tokens
+from bubblespec.common.rules import paying_draft_tokens
 from bubblespec.scheduler.core.settings import CoreSettings
 
 # a verify-heavy engine: one draft token costs as much as a whole decode step at batch 1

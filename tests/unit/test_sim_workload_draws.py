@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from bubblespec.bench.sim.workload import LengthModel, Workload
-from bubblespec.client.types import Prompt
+from bubblespec.common.types import Prompt
 from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits
 from bubblespec.scheduler.core.validate import prompt_tokens
 

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
-from bubblespec.client.types import SchedulingPolicy
+from bubblespec.common.types import SchedulingPolicy
 from bubblespec.bench.sim.__main__ import main
 from bubblespec.bench.pass_cost import fit_context_profile, fit_profile, fit_speculation_profile
 from bubblespec.bench.sim.costs import (

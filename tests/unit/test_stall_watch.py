@@ -3,7 +3,7 @@ deadline passed, and still finds exactly those without progress for ``stall`` se
 
 from __future__ import annotations
 
-from bubblespec.client.types import SamplingParams
+from bubblespec.common.types import SamplingParams
 from bubblespec.scheduler.core.balance import StallWatch
 from bubblespec.scheduler.core.records import RequestState
 from bubblespec.scheduler.core.types import RequestSpec

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 
-from bubblespec.client.types import Prompt, SamplingParams, SchedulingPolicy
+from bubblespec.common.types import Prompt, SamplingParams, SchedulingPolicy
 from bubblespec.scheduler.core.types import ModelLimits, StepSpec
 from bubblespec.scheduler.core.validate import Limits, build_step
 

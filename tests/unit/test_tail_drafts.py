@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from bubblespec.scheduler.core.drafting import paying_draft_tokens
+from bubblespec.common.rules import paying_draft_tokens
 from bubblespec.worker.proposer import BubbleSpecProposer
 from bubblespec.worker.tail_drafts import makespan_draft_tokens
 

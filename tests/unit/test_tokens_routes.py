@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 from bubblespec.bench.tiny_model import build_tiny_tokenizer
-from bubblespec.client.types import FinishReason
+from bubblespec.common.types import FinishReason
 from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits
 from bubblespec.scheduler.core.validate import Limits
 from bubblespec.scheduler.settings import SchedulerSettings

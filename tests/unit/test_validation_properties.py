@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bubblespec.client.types import Prompt, SamplingParams, SchedulingPolicy
+from bubblespec.common.types import Prompt, SamplingParams, SchedulingPolicy
 from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits, StepSpec
 from bubblespec.scheduler.core.validate import Limits, build_step, check_sampling
 from bubblespec.store import CorruptEntry, DraftEntry, DraftSource, decode_entry, encode_entry

@@ -1,5 +1,5 @@
 """The real worker's draft length by cost: ``DraftLength`` with ``draft_token_seconds`` follows
-the scheduler core's paying rule (``paying_draft_tokens``) against the batch's tokens/s that the
+the shared paying rule (``common.rules.paying_draft_tokens``) against the batch's tokens/s that the
 proposer measures (``StepRate``); unset, it decides exactly as the acceptance rule did. The
 proposer runs here on a fake model runner and a fake clock (no vLLM)."""
 

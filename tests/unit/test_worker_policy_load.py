@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bubblespec.api.v1 import rollout_pb2 as pb
-from bubblespec.client.types import FinishReason
+from bubblespec.common.types import FinishReason
 from bubblespec.worker.agent import WorkerAgent, WorkerSettings
 from bubblespec.worker.checkpoint import CheckpointError, read_checkpoint
 from bubblespec.worker.engine import EngineInfo, EngineOutput, EngineSettings, VllmEngine

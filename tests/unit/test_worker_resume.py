@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 
 from bubblespec.api.v1 import rollout_pb2 as pb
-from bubblespec.client import _convert as cv
-from bubblespec.client.types import Completion, FinishReason, Provenance, SourceStats
-from bubblespec.scheduler.core.moves import resume_seed
+from bubblespec.common import codec as cv
+from bubblespec.common.rules import resume_seed
+from bubblespec.common.types import Completion, FinishReason, Provenance, SourceStats
 from bubblespec.store import DraftEntry, DraftSource, prompt_key
 from bubblespec.store.memory import MemoryStore
 from bubblespec.worker.agent import WorkerAgent, WorkerSettings

@@ -1,12 +1,12 @@
 """Protobuf <-> dataclass conversion: the only place that knows both.
 
-Used by the SDK, the scheduler shell and the worker agent (edges only).
+Used by the SDK, the scheduler shell and the worker (edges only).
 """
 
 from __future__ import annotations
 
 from bubblespec.api.v1 import rollout_pb2 as pb
-from bubblespec.client.types import (
+from bubblespec.common.types import (
     Completion, FinishReason, Prompt, PromptLogprob, Provenance, SamplingParams, SchedulingPolicy, SourceStats,
     StepSummary,
 )

@@ -1,6 +1,7 @@
 """Plain data types shared by the SDK, the scheduler and the worker.
 
-Frozen dataclasses only; conversion to and from protobuf lives in ``_convert``.
+Frozen dataclasses only; conversion to and from protobuf lives in ``codec``. The SDK
+re-exports the public ones (``bubblespec.client``).
 """
 
 from __future__ import annotations
