@@ -71,7 +71,7 @@ class EngineSettings:
     number turns drafting off where it pays or on where it does not. Exact whatever the value (docs/EXACTNESS.md)."""
     measure_draft_cost: bool = True
     """With ``draft_token_seconds`` unset (0): the proposer measures what a draft token adds to
-    this engine's passes as it runs (``draft_index.DraftCostFit``: a least-squares fit of each
+    this engine's passes as it runs (``draft_cost.DraftCostFit``: a robust fit of each
     clean pass's time, from the runner's ``execute_model`` to the proposer, on its rows, whether
     it verified any draft, and its draft tokens) and, once the figure is sure, uses the paying
     rule with it (and holds back a pass's drafts that cannot pay for the fitted fixed cost of

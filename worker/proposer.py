@@ -23,7 +23,7 @@ Where no candidate continues a request, it can draft from its own prompt + outpu
 
 Draft length: ``draft_index.DraftLength``. With what one draft token adds to a pass (the
 engine setting ``draft_token_seconds``, or, unset, the figure the proposer measures from the
-engine's own steps: ``draft_index.DraftCostFit``, engine setting ``measure_draft_cost``), each
+engine's own steps: ``draft_cost.DraftCostFit``, engine setting ``measure_draft_cost``), each
 step measures the batch's tokens/s (``draft_index.StepRate``: tokens the step produced over the
 wall time since the previous step, smoothed) and the paying rule picks each request's length
 from the two; until both are known, the acceptance rule decides. With the setting and
@@ -48,7 +48,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from bubblespec.worker.draft_index import Candidate, DraftCostFit, DraftLength, RequestDrafter, StepRate, SuffixRule
+from bubblespec.worker.draft_cost import DraftCostFit
+from bubblespec.worker.draft_index import Candidate, DraftLength, RequestDrafter, StepRate, SuffixRule
 from bubblespec.worker.tail_drafts import makespan_draft_tokens
 
 if TYPE_CHECKING:

@@ -6,13 +6,16 @@ on synthetic steps; the proposer on the fake runner and clock of ``test_worker_p
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 from test_worker_paying_drafts import FakeEngine
 
 from bubblespec.cli.commands import _engine_settings
 from bubblespec.cli.main import build_parser
-from bubblespec.worker.draft_index import DraftCostFit
+from bubblespec.worker.draft_cost import DraftCostFit
 
 
 def _steps(fit: DraftCostFit, rng, n: int, per_draft: float, noise: float = 0.05, rows=(1, 48), stalls: float = 0.0):
@@ -177,7 +180,8 @@ def test_the_worker_reads_its_engines_figure_for_its_metric_and_survives_a_faile
     import asyncio
 
     from bubblespec.worker import agent as agent_module
-    from bubblespec.worker.agent import WorkerAgent, WorkerSettings
+    from bubblespec.worker.agent import WorkerAgent
+    from bubblespec.worker.settings import WorkerSettings
     from bubblespec.worker.engine import EngineInfo
 
     answers: list = [{"draft_token_seconds": 4.2e-5, "drafted_request_seconds": 2.8e-5, "source": "measured", "steps": 900},
@@ -239,11 +243,16 @@ def _passes_with_drafted_rows(fit: DraftCostFit, rng, n: int, per_row: float, pe
 
 def test_the_fit_tells_a_drafted_requests_cost_from_its_tokens_where_lengths_differ() -> None:
     # the H100's flash fit: 28.2 us a drafted sequence, 15.5 us a draft token (docs/SIMULATOR.md)
-    fit = DraftCostFit()
-    _passes_with_drafted_rows(fit, np.random.default_rng(8), 3000, 28.2e-6, 15.5e-6)
-    assert fit.per_drafted_request_seconds == pytest.approx(28.2e-6, rel=0.2)
-    assert fit.seconds_per_draft_token == pytest.approx(15.5e-6, rel=0.1)
-    assert fit.spec_seconds == pytest.approx(5e-4, rel=0.25)
+    # one run's figure moves +-20% from refit to refit (a window of ~200 passes); five runs' median is the fit's
+    fits = []
+    for seed in range(8, 13):
+        fit = DraftCostFit()
+        _passes_with_drafted_rows(fit, np.random.default_rng(seed), 3000, 28.2e-6, 15.5e-6)
+        fits.append((fit.per_drafted_request_seconds, fit.seconds_per_draft_token, fit.spec_seconds))
+    rows, tokens, spec = np.array(fits).T
+    assert np.median(rows) == pytest.approx(28.2e-6, rel=0.1) and np.all(np.abs(rows / 28.2e-6 - 1) < 0.4), rows
+    assert np.median(tokens) == pytest.approx(15.5e-6, rel=0.05) and np.all(np.abs(tokens / 15.5e-6 - 1) < 0.15), tokens
+    assert np.median(spec) == pytest.approx(5e-4, rel=0.25), spec
 
 
 def test_where_every_drafted_row_drafts_alike_the_fit_without_that_term_decides() -> None:
@@ -284,3 +293,35 @@ def test_a_request_whose_draft_cannot_pay_for_its_own_row_drafts_nothing(per_row
     else:
         assert lengths[-5:] == [0] * 5
         assert all(d.last_accept == 0.0 for d in engine.proposer.drafters.values())  # withdrawn: nothing to count
+
+
+# --- a shared machine: passes the OS preempts ---------------------------------------------------
+
+TRACE = Path(__file__).resolve().parents[1] / "data" / "cpu_engine_passes_beside_a_busy_process.json"
+
+
+def test_many_preempted_passes_neither_move_the_figure_nor_keep_it_unsure() -> None:
+    # a fifth of the passes take 10x their work (another process on the core): least squares
+    # reads a residual spread of several passes and is never sure of a 30 us token
+    rng = np.random.default_rng(11)
+    fit = DraftCostFit()
+    for _ in range(1500):
+        r = int(rng.integers(1, 49))
+        d = int(rng.integers(0, 256 // r + 1)) * int(rng.integers(0, r + 1))
+        y = (2e-3 + 67e-6 * r + 30e-6 * d) * (1 + 0.05 * rng.standard_normal())
+        fit.observe(r, d, y * (1 + 9 * rng.random()) if rng.random() < 0.2 else y)
+    assert fit.seconds_per_draft_token == pytest.approx(30e-6, rel=0.1)
+
+
+def test_a_cpu_engines_passes_beside_a_busy_process_give_a_sure_figure() -> None:
+    # passes recorded from a vLLM CPU engine (the tests' tiny model) while another process took
+    # the cores: a median pass of 15 ms, a tenth of them over 150 ms
+    passes = json.loads(TRACE.read_text())["passes"]
+    seconds = np.array([p[2] for p in passes])
+    assert np.percentile(seconds, 90) > 8 * np.median(seconds)  # the trace is what it says
+    fit = DraftCostFit()
+    for rows, drafts, s, drafted_rows, held_back in passes:
+        fit.observe(rows, drafts, s, held_back, drafted_rows)
+    # the bench's model of this size costs ~3e-5 s a draft token on this machine (bench/sim/costs.py)
+    assert 1e-5 < fit.seconds_per_draft_token < 3e-4
+    assert fit._sigma < 0.2 * np.median(seconds)  # the stalls are left out of the residual scale
