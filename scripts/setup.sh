@@ -37,8 +37,8 @@ verifiers_pid=$!
 side_venv .venv-skyrl tests/requirements-skyrl.txt --no-deps > .venv-skyrl.log 2>&1 &
 skyrl_pid=$!
 
-if [ ! -x .venv/bin/python ]; then
-  python3 -m venv .venv
+if [ ! -x .venv/bin/pip ]; then  # none yet, or one whose creation was cut short
+  python3 -m venv --clear .venv
 fi
 if ! .venv/bin/python -c "import vllm, bubblespec.client, pytest, openai, ruff, mypy" 2>/dev/null; then
   .venv/bin/pip install -q --upgrade pip
