@@ -17,7 +17,7 @@ from bubblespec.scheduler.core.settings import CoreSettings
 from bubblespec.scheduler.settings import SchedulerSettings
 from bubblespec.store import StoreSettings
 from bubblespec.worker.engine import EngineSettings
-from bubblespec.worker.agent import WorkerSettings
+from bubblespec.worker.settings import WorkerSettings
 from bubblespec.worker.lifeline import exit_after
 
 __all__ = ["demo", "scheduler", "up", "worker", "Cluster"]

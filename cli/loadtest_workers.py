@@ -117,8 +117,16 @@ def _timed_agent_class():
         def __init__(self, settings, engine, store, probe: DispatchProbe):
             super().__init__(settings, engine, store)
             self.probe = probe
+            send = self.link.send
 
-        async def _handle(self, msg) -> None:
+            def timed_send(**kind) -> None:  # everything the worker sends goes through its link
+                if "completion" in kind:
+                    self.probe.slot_freed(self.worker_id, time.monotonic())
+                send(**kind)
+
+            self.link.send = timed_send
+
+        async def handle(self, msg) -> None:
             kind = msg.WhichOneof("kind")
             if kind == "assign":
                 self.probe.assigned(self.worker_id, time.monotonic())
@@ -126,12 +134,7 @@ def _timed_agent_class():
                 now = time.monotonic()
                 for _ in msg.assigns.assignments:
                     self.probe.assigned(self.worker_id, now)
-            await super()._handle(msg)
-
-        def _send(self, **kind) -> None:
-            if "completion" in kind:
-                self.probe.slot_freed(self.worker_id, time.monotonic())
-            super()._send(**kind)
+            await super().handle(msg)
 
     return TimedAgent
 
@@ -157,7 +160,7 @@ class _Workers:
 
     async def start(self) -> None:
         from bubblespec.store import StoreSettings, open_store
-        from bubblespec.worker.agent import WorkerSettings
+        from bubblespec.worker.settings import WorkerSettings
         from bubblespec.worker.engine import EngineSettings
         from bubblespec.bench.load_engine import LoadEngineSettings, LoadTestEngine
 

@@ -9,30 +9,23 @@ Completions are written back as history drafts and length history; draft jobs wr
 from __future__ import annotations
 
 import asyncio
-import enum
 import json
 import logging
-import os
-import socket
 import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any
-
-import grpc
+from collections.abc import Sequence
 
 from bubblespec.api.v1 import rollout_pb2 as pb
-from bubblespec.api.v1 import rollout_pb2_grpc as pbg
 from bubblespec.common import codec as cv
-from bubblespec.common.transport import keepalive_options
-from bubblespec.common.types import Completion
 from bubblespec.common.rules import shares_draft_seeds
+from bubblespec.common.types import Completion
 from bubblespec.store import DraftEntry, DraftSource, DraftStore, prompt_key
 from bubblespec.worker.checkpoint import CheckpointError
-from bubblespec.worker.engine import Engine, EngineRequest, EngineSettings
+from bubblespec.worker.engine import Engine, EngineRequest
+from bubblespec.worker.link import Link
 from bubblespec.worker.resume import Yielded, joined, joined_prompt_logprobs, joined_top_logprobs, partial, resumed
+from bubblespec.worker.settings import WorkerSettings
 
-__all__ = ["WorkerAgent", "WorkerSettings", "stop_agents"]
+__all__ = ["WorkerAgent", "stop_agents"]
 
 logger = logging.getLogger(__name__)
 _CONTROL_OPS = {pb.CONTROL_OP_INIT_WEIGHT_TRANSFER: "init_weight_transfer",  # -> Engine.control's op
@@ -55,60 +48,6 @@ DRAFT_PREFIX = "draft:"
 other key there is a request's."""
 
 
-@dataclass(frozen=True)
-class WorkerSettings:
-    scheduler: str = "localhost:50051"
-    """Scheduler address, host:port."""
-    worker_id: str = ""
-    """Stable id ('' = hostname-pid)."""
-    token: str = field(default="", repr=False)
-    """Worker bearer token."""
-    tls: bool = False
-    """Dial the scheduler over TLS."""
-    tls_ca_file: str = ""
-    """PEM roots for the scheduler's certificate."""
-    tls_cert_file: str = ""
-    """PEM client certificate (mutual TLS)."""
-    tls_key_file: str = ""
-    """PEM client key (mutual TLS)."""
-    heartbeat_seconds: float = 1.0
-    """Heartbeat period."""
-    progress_seconds: float = 0.5
-    """Shortest gap between two progress reports of one request. Reports wait up to this long to
-    go out together: one message carries the progress of every request that reported meanwhile."""
-    completion_batch_seconds: float = 0.05
-    """Shortest gap between two completion messages: a completion that ends within this long of
-    the last one sent waits for the rest of the gap, and every completion queued meanwhile goes
-    with it in one ``completions`` batch (fewer, larger messages for the scheduler to read); one
-    that ends after a quieter spell goes at once, and so does a batch once no request is left
-    running on the worker (the step's end waits for it). 0 = only those queued at the same moment."""
-    reconnect_initial_seconds: float = 0.2
-    """First reconnect delay; doubles up to reconnect_max_seconds."""
-    reconnect_max_seconds: float = 2.0
-    """Longest reconnect delay: a restarted scheduler gets its workers back within about this long
-    of coming up (trainers retry meanwhile: the SDK's default retry budget is 120 s)."""
-    keepalive_seconds: float = 5.0
-    """Ping the scheduler after this long without traffic from it (0 = off)."""
-    keepalive_timeout_seconds: float = 5.0
-    """A ping unanswered this long breaks the stream and the worker re-dials: a frozen scheduler
-    (SIGSTOP, a hung host, a cut network) is noticed in keepalive + timeout seconds."""
-    max_drafts_per_request: int = 4
-    """Stored drafts handed to the proposer per request (newest first)."""
-    history_drafts: bool = True
-    """Store finished responses as history drafts for later steps."""
-    policy_version: int = 0
-    """Version of the weights the engine starts with."""
-    max_message_bytes: int = 64 * 2**20
-    """Largest gRPC message sent or accepted on the scheduler stream. Must be at least the
-    scheduler's ``max_message_bytes`` (equal by default): a larger assignment would break the
-    stream (gRPC's own default receive limit is 4 MiB)."""
-    engine: EngineSettings = EngineSettings()
-    """The engine this worker drives."""
-
-    def resolved_id(self) -> str:
-        return self.worker_id or f"{socket.gethostname()}-{os.getpid()}"
-
-
 class WorkerAgent:
     """One worker: holds a stream to the scheduler, runs its assignments and draft jobs on an
     ``Engine`` (``VllmEngine``, or the load-test engine), reports progress and completions, and
@@ -122,64 +61,29 @@ class WorkerAgent:
         self.store = store
         self.version = settings.policy_version
         self.tasks: dict[str, asyncio.Task] = {}  # request key or draft job id -> task
-        self.outbox: asyncio.Queue[pb.WorkerMessage | None] = asyncio.Queue()
         self.tokens_window: list[tuple[float, int]] = []
         self.draft_seconds = 0.0
         self.spec_tokens: dict[str, list[int]] = {}  # draft source -> [drafted, accepted], completed requests
         self.draft_token_seconds: float | None = None  # the engine's draft-length rule's figure (None: not read yet)
         self.drafted_request_seconds = 0.0  # its figure for a drafted request beyond its tokens (read with it)
         self.draft_tokens: dict[str, int] = {}  # running draft job id -> tokens generated so far
-        self.connected = asyncio.Event()
         self.failed: Exception | None = None  # set when the engine died: run() raises it
         self._controls: set[asyncio.Task] = set()  # engine control calls, run one at a time in arrival order
         self._stopped_jobs: set[asyncio.Task] = set()  # stopped draft jobs still cleaning up (``_stop_draft``)
         self._control_lock = asyncio.Lock()
-        self._stopping = False
-        self._progress: dict[str, int] = {}  # request key -> tokens, reports waiting for _flush_progress
-        self._progress_timer: asyncio.TimerHandle | None = None
         self._request_ended = asyncio.Event()  # set when a request's task leaves ``tasks`` (``_untrack``)
         self._keep_partial: set[str] = set()  # requests the scheduler stopped to move: they send what they made
-
-    # ------------------------------------------------------------ connection --
-
-    def _channel(self) -> grpc.aio.Channel:
-        s = self.settings
-        options = [("grpc.max_receive_message_length", s.max_message_bytes),
-                   ("grpc.max_send_message_length", s.max_message_bytes),
-                   *keepalive_options(s.keepalive_seconds, s.keepalive_timeout_seconds, s.reconnect_max_seconds)]
-        if not s.tls:
-            return grpc.aio.insecure_channel(s.scheduler, options)
-        read = lambda p: open(p, "rb").read() if p else None  # noqa: E731
-        creds = grpc.ssl_channel_credentials(read(s.tls_ca_file), read(s.tls_key_file), read(s.tls_cert_file))
-        return grpc.aio.secure_channel(s.scheduler, creds, options)
+        self.link = Link(settings, self.worker_id, self)
 
     async def run(self) -> None:
-        """Serve until ``stop()``; reconnect with backoff whenever the stream breaks."""
-        delay = self.settings.reconnect_initial_seconds
-        while not self._stopping:
-            started = time.monotonic()
-            try:
-                await self._session()
-            except (grpc.RpcError, ConnectionError) as exc:
-                code = exc.code() if isinstance(exc, grpc.RpcError) else None
-                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-                    raise
-                logger.warning("worker %s: scheduler stream broke (%s); reconnecting", self.worker_id, code)
-            finally:
-                self.connected.clear()
-                await self._drop_all()
-            if self._stopping:
-                break
-            if time.monotonic() - started > 10:
-                delay = self.settings.reconnect_initial_seconds
-            await asyncio.sleep(delay)
-            delay = min(self.settings.reconnect_max_seconds, delay * 2)
+        """Serve until ``stop()``, over the link (which re-dials whenever the stream breaks);
+        raises the engine's failure if the engine died."""
+        await self.link.run()
         if self.failed is not None:
             raise self.failed
 
     async def stop(self) -> None:
-        self._stopping = True
-        self.outbox.put_nowait(None)
+        self.link.close()
         await self._drop_all()
         for task in list(self._controls):
             task.cancel()
@@ -192,28 +96,11 @@ class WorkerAgent:
         if self.failed is None and self.engine.dead:
             logger.error("worker %s: the inference engine died; leaving the scheduler", self.worker_id)
             self.failed = RuntimeError(f"worker {self.worker_id}: the inference engine died")
-            self._stopping = True
-            self.outbox.put_nowait(None)
+            self.link.close()
 
-    async def _session(self) -> None:
-        self._progress.clear()  # reports of the previous stream's requests: dropped with them
-        self.outbox = asyncio.Queue()
-        self.outbox.put_nowait(pb.WorkerMessage(hello=self._hello()))
-        metadata = (("authorization", f"Bearer {self.settings.token}"),) if self.settings.token else ()
-        async with self._channel() as channel:
-            call = pbg.WorkerLinkStub(channel).Connect(self._outgoing(), metadata=metadata)
-            beat = asyncio.create_task(self._heartbeats())
-            cost = asyncio.create_task(self._read_draft_cost())
-            try:
-                async for msg in call:
-                    self.connected.set()
-                    await self._handle(msg)
-            finally:
-                beat.cancel()
-                cost.cancel()
-                self.outbox.put_nowait(None)
+    # ------------------------------------------------- the link's peer (link.Peer) --
 
-    def _hello(self) -> pb.Hello:
+    def hello(self) -> pb.Hello:
         info = self.engine.info
         return pb.Hello(worker_id=self.worker_id, capacity=self.settings.engine.max_num_seqs,
                         policy_version=self.version, max_model_len=info.max_model_len,
@@ -222,46 +109,30 @@ class WorkerAgent:
                         tensor_parallel_size=self.settings.engine.tensor_parallel_size,
                         accepts_assign_batches=True, accepts_resume=True)
 
-    async def _outgoing(self) -> AsyncIterator[pb.WorkerMessage]:
-        """The outbox as the stream's messages, in order. Completions waiting at once go out
-        as one ``completions`` batch (``_batch``): one gRPC message for the scheduler to read
-        instead of one each. A completion within ``completion_batch_seconds`` of the last
-        completion message waits out the gap first, so that those ending meanwhile join it."""
-        pending: pb.WorkerMessage | None | _Nothing = _NOTHING
-        gap = self.settings.completion_batch_seconds
-        last = -gap
-        while True:
-            msg = pending if not isinstance(pending, _Nothing) else await self.outbox.get()
-            pending = _NOTHING
-            if msg is None:
-                return
-            if msg.WhichOneof("kind") == "completion":
-                # let the other requests that ended in this engine step (or within the gap) queue theirs;
-                # a full batch already waiting goes at once
-                if self.outbox.qsize() < BATCH_MAX:
-                    await self._wait_for_more_completions(last + gap)
-                if not self.outbox.empty():
-                    msg, pending = _batch(msg, self.outbox)
-                last = time.monotonic()
-            yield msg
+    def heartbeat(self) -> pb.Heartbeat:
+        now = time.monotonic()
+        self.tokens_window = [(t, n) for t, n in self.tokens_window if now - t < 5.0]
+        tps = sum(n for _, n in self.tokens_window) / 5.0
+        return pb.Heartbeat(running=len(self.tasks), tokens_per_second=tps)
 
-    async def _wait_for_more_completions(self, until: float) -> None:
-        """Let completions join the one about to go, until ``until`` (``completion_batch_seconds``
-        after the last completion message), but only while a request still runs here: with none
-        left nothing can join, and waiting would only hold back the worker's last completion,
-        which the step's end waits for (by up to the whole gap: 50 ms on a drafted bench step of
-        130-250 ms). Yields to the loop once, so completions of the same engine step queue first."""
-        await asyncio.sleep(0)
-        while self._requests_running() and (left := until - time.monotonic()) > 0:
-            self._request_ended.clear()
-            try:
-                await asyncio.wait_for(self._request_ended.wait(), left)
-            except TimeoutError:
-                return
+    async def alongside(self) -> None:
+        await self._read_draft_cost()
 
-    def _requests_running(self) -> bool:
+    async def stream_ended(self) -> None:
+        await self._drop_all()
+
+    def requests_running(self) -> bool:
         """Whether any assignment (not a draft job) is still running on this worker."""
         return any(not key.startswith(DRAFT_PREFIX) for key in self.tasks)
+
+    async def request_end(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a request's task to leave ``tasks``; whether one did."""
+        self._request_ended.clear()
+        try:
+            await asyncio.wait_for(self._request_ended.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
 
     def _untrack(self, key: str) -> asyncio.Task | None:
         """Take ``key``'s task out of ``tasks``; a request's end wakes a waiting completion batch."""
@@ -269,18 +140,6 @@ class WorkerAgent:
         if task is not None and not key.startswith(DRAFT_PREFIX):
             self._request_ended.set()
         return task
-
-    def _send(self, **kind: Any) -> None:  # one WorkerMessage field: its message
-        self.outbox.put_nowait(pb.WorkerMessage(**kind))
-
-    async def _heartbeats(self) -> None:
-        while True:
-            self.connected.set()
-            now = time.monotonic()
-            self.tokens_window = [(t, n) for t, n in self.tokens_window if now - t < 5.0]
-            tps = sum(n for _, n in self.tokens_window) / 5.0
-            self._send(heartbeat=pb.Heartbeat(running=len(self.tasks), tokens_per_second=tps))
-            await asyncio.sleep(self.settings.heartbeat_seconds)
 
     async def _read_draft_cost(self) -> None:
         """Every ``DRAFT_COST_SECONDS``, read what the engine's draft-length rule takes a draft
@@ -302,7 +161,7 @@ class WorkerAgent:
 
     # -------------------------------------------------------------- commands --
 
-    async def _handle(self, msg: pb.SchedulerMessage) -> None:
+    async def handle(self, msg: pb.SchedulerMessage) -> None:
         kind = msg.WhichOneof("kind")
         if kind == "assign":
             a = msg.assign
@@ -361,7 +220,7 @@ class WorkerAgent:
             error = (f"version {cmd.version} was pushed to the workers by weight transfer ({cmd.weights_path!r:.80}); "
                      "this worker was not in the trainer's group and cannot load it from a directory")
             logger.error("worker %s: %s", self.worker_id, error)
-            self._send(policy_loaded=pb.PolicyLoaded(version=cmd.version, ok=False, error=error, seconds=0.0))
+            self.link.send(policy_loaded=pb.PolicyLoaded(version=cmd.version, ok=False, error=error, seconds=0.0))
             return
         if self.tasks:
             logger.warning("worker %s: cancelling %d running task(s) before loading version %d",
@@ -375,18 +234,19 @@ class WorkerAgent:
         except CheckpointError as exc:  # refused before any weight changed: keep serving the old version
             logger.error("worker %s: version %d refused, still serving %d: %s", self.worker_id, cmd.version,
                          self.version, exc)
-            self._send(policy_loaded=pb.PolicyLoaded(version=cmd.version, ok=False, error=str(exc)[:500],
+            self.link.send(policy_loaded=pb.PolicyLoaded(version=cmd.version, ok=False, error=str(exc)[:500],
                                                      seconds=time.monotonic() - started))
             return
         except Exception as exc:
             logger.exception("worker %s: loading %s failed; its weights are now unknown", self.worker_id, cmd.weights_path)
             self.version = -1
-            self._send(policy_loaded=pb.PolicyLoaded(version=cmd.version, ok=False, error=str(exc)[:500] or type(exc).__name__,
-                                                     seconds=time.monotonic() - started, weights_unknown=True))
+            self.link.send(policy_loaded=pb.PolicyLoaded(version=cmd.version, ok=False,
+                                                         error=str(exc)[:500] or type(exc).__name__,
+                                                         seconds=time.monotonic() - started, weights_unknown=True))
             self._check_engine()
             return
         self.version = cmd.version
-        self._send(policy_loaded=pb.PolicyLoaded(version=cmd.version, ok=True, seconds=time.monotonic() - started))
+        self.link.send(policy_loaded=pb.PolicyLoaded(version=cmd.version, ok=True, seconds=time.monotonic() - started))
 
     async def _control(self, call: pb.ControlCall) -> None:
         """Run one engine control call (vLLM's weight transfer, prefix-cache reset) and answer
@@ -412,11 +272,11 @@ class WorkerAgent:
                     self.version = call.policy_version
             except Exception as exc:
                 logger.error("worker %s: %s failed: %s", self.worker_id, op or call.op, exc)
-                self._send(control_result=pb.ControlResult(call_id=call.call_id, ok=False,
+                self.link.send(control_result=pb.ControlResult(call_id=call.call_id, ok=False,
                                                            error=str(exc)[:500] or type(exc).__name__))
                 self._check_engine()
                 return
-            self._send(control_result=pb.ControlResult(call_id=call.call_id, ok=True, json=json.dumps(result or {})))
+            self.link.send(control_result=pb.ControlResult(call_id=call.call_id, ok=True, json=json.dumps(result or {})))
 
     # ------------------------------------------------------------ generation --
 
@@ -464,7 +324,7 @@ class WorkerAgent:
                     last = Yielded.of(out)
                     if time.monotonic() - last_report >= self.settings.progress_seconds:
                         last_report = time.monotonic()
-                        self._report_progress(key, done_before + len(out.token_ids))
+                        self.link.report_progress(key, done_before + len(out.token_ids))
             if final is None or final.finish_reason is None:  # (a final output has its finish reason)
                 raise RuntimeError("engine ended without a final output")
             if self.version != loaded:
@@ -475,50 +335,33 @@ class WorkerAgent:
                            stop_reason=final.stop_reason, top_logprobs=joined_top_logprobs(before, final),
                            prompt_logprobs=joined_prompt_logprobs(before, final, len(prompt)),
                            adapter=a.adapter, adapter_version=a.adapter_version if a.adapter else 0)
-            self._progress.pop(key, None)  # finished: its last progress report says nothing more
+            self.link.forget_progress(key)  # finished: its last progress report says nothing more
             for src in final.provenance.sources:
                 tally = self.spec_tokens.setdefault(src.source, [0, 0])
                 tally[0] += src.drafted_tokens
                 tally[1] += src.accepted_tokens
-            self._send(completion=pb.WorkerCompletion(request_key=key, completion=cv.completion_to_pb(c)))
+            self.link.send(completion=pb.WorkerCompletion(request_key=key, completion=cv.completion_to_pb(c)))
             self._untrack(key)
             await self._remember(prompt, c, a.step_id, adapter)
         except asyncio.CancelledError:
-            self._progress.pop(key, None)
+            self.link.forget_progress(key)
             spent = await self.engine.abort(key)
             if key in self._keep_partial:  # stopped to move: send what it made, made by one policy version
                 if self.version == loaded:
                     sent = None if last is None else last.frozen()
                     made = partial(a.step_id, a.prompt_id, a.sample_index, before, sent, loaded, self.worker_id,
                                    len(prompt), spent)
-                    self._send(aborted=pb.Aborted(request_key=key, reason="moved", partial=cv.completion_to_pb(made)))
+                    self.link.send(aborted=pb.Aborted(request_key=key, reason="moved", partial=cv.completion_to_pb(made)))
                 else:
-                    self._send(aborted=pb.Aborted(request_key=key, reason=f"stopped to move, but the weights changed "
+                    self.link.send(aborted=pb.Aborted(request_key=key, reason=f"stopped to move, but the weights changed "
                                                   f"from version {loaded} to {self.version} during generation"))
             raise
         except Exception as exc:
             logger.exception("request %s failed", key)
-            self._progress.pop(key, None)
+            self.link.forget_progress(key)
             self._untrack(key)
-            self._send(aborted=pb.Aborted(request_key=key, reason=(f"{where}: {exc}" if where else str(exc))[:500]))
+            self.link.send(aborted=pb.Aborted(request_key=key, reason=(f"{where}: {exc}" if where else str(exc))[:500]))
             self._check_engine()
-
-    def _report_progress(self, key: str, tokens: int) -> None:
-        """Queue a progress report; every report queued within ``progress_seconds`` of the first
-        goes out in one message (``_flush_progress``)."""
-        self._progress[key] = tokens
-        if self._progress_timer is None:
-            self._progress_timer = asyncio.get_running_loop().call_later(self.settings.progress_seconds,
-                                                                         self._flush_progress)
-
-    def _flush_progress(self) -> None:
-        self._progress_timer = None
-        reports = [pb.Progress(request_key=k, generated_tokens=n) for k, n in self._progress.items()]
-        self._progress.clear()
-        if len(reports) == 1:
-            self._send(progress=reports[0])
-        elif reports:
-            self._send(progress_batch=pb.ProgressBatch(progress=reports))
 
     async def _remember(self, prompt: tuple[int, ...], c: Completion, step_id: str,
                         adapter: tuple[str, int] | None = None) -> None:
@@ -571,54 +414,11 @@ class WorkerAgent:
                 why = str(exc)
             if not stored:
                 logger.warning("draft job %s: its %d tokens were not stored: %s", job.job_id, len(tokens), why)
-        self._send(draft_result=pb.DraftResult(job_id=job.job_id, tokens=stored, finished=finished and stored > 0))
+        self.link.send(draft_result=pb.DraftResult(job_id=job.job_id, tokens=stored, finished=finished and stored > 0))
 
 
-BATCH_BYTES = 2**20
-"""Most bytes of completions in one ``completions`` batch (a larger single one goes alone):
-far under the gRPC message limits (``max_message_bytes``, 64 MiB by default)."""
 DRAFT_COST_SECONDS = 10.0
 """How often a worker reads its engine's draft token cost for its metrics."""
-BATCH_MAX = 256
-"""Most completions in one ``completions`` batch."""
-
-
-class _Nothing(enum.Enum):
-    """No message: what ``_batch`` hands back when it took nothing that did not join."""
-
-    NOTHING = enum.auto()
-
-
-_NOTHING = _Nothing.NOTHING
-
-
-def _batch(first: pb.WorkerMessage, outbox: asyncio.Queue[pb.WorkerMessage | None],
-           ) -> tuple[pb.WorkerMessage, pb.WorkerMessage | None | _Nothing]:
-    """``first`` (a completion) and the completions queued right behind it as one message,
-    and the next item taken from ``outbox`` that did not join it (``_NOTHING`` if none; it may
-    be the None that ends the stream)."""
-    group = [first]
-    size = first.completion.ByteSize()
-    while not outbox.empty() and len(group) < BATCH_MAX:
-        nxt = outbox.get_nowait()
-        if nxt is None or nxt.WhichOneof("kind") != "completion":
-            return _batched(group), nxt
-        n = nxt.completion.ByteSize()
-        if size + n > BATCH_BYTES:
-            return _batched(group), nxt
-        group.append(nxt)
-        size += n
-    return _batched(group), _NOTHING
-
-
-def _batched(group: list[pb.WorkerMessage]) -> pb.WorkerMessage:
-    """``completion`` messages as one message: one alone as it is, more as a batch (each
-    completion copied once, into the batch)."""
-    if len(group) == 1:
-        return group[0]
-    msg = pb.WorkerMessage()
-    msg.completions.completions.extend(m.completion for m in group)
-    return msg
 
 
 async def stop_agents(agents: list[WorkerAgent], tasks: list[asyncio.Task]) -> None:

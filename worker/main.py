@@ -8,7 +8,8 @@ import signal
 import threading
 
 from bubblespec.store import StoreSettings, open_store
-from bubblespec.worker.agent import WorkerAgent, WorkerSettings
+from bubblespec.worker.agent import WorkerAgent
+from bubblespec.worker.settings import WorkerSettings
 from bubblespec.worker.engine import VllmEngine
 from bubblespec.worker.lifeline import exit_after
 from bubblespec.worker.selfcheck import require_self_checks

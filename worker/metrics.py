@@ -89,7 +89,7 @@ class WorkerMetrics(Collector):
         drafts = sum(1 for key in tasks if key.startswith(DRAFT_PREFIX))
         yield from (
             family(_SPECS["bubblespec_worker_info"], [((a.worker_id,), 1)]),
-            family(_SPECS["bubblespec_worker_connected"], [((), 1 if a.connected.is_set() else 0)]),
+            family(_SPECS["bubblespec_worker_connected"], [((), 1 if a.link.connected.is_set() else 0)]),
             family(_SPECS["bubblespec_worker_requests_running"], [((), len(tasks) - drafts)]),
             family(_SPECS["bubblespec_worker_draft_jobs_running"], [((), drafts)]),
             family(_SPECS["bubblespec_worker_draft_job_seconds_total"], [((), a.draft_seconds)]),

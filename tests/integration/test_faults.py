@@ -28,7 +28,8 @@ from bubblespec.client import AsyncRolloutClient, Prompt, SamplingParams, Schedu
 from bubblespec.scheduler.core.types import Assign, LoadPolicy
 from bubblespec.scheduler.server import Scheduler
 from bubblespec.scheduler.settings import SchedulerSettings
-from bubblespec.worker.agent import WorkerAgent, WorkerSettings, stop_agents
+from bubblespec.worker.agent import WorkerAgent, stop_agents
+from bubblespec.worker.settings import WorkerSettings
 from bubblespec.bench.tiny_model import perturb_weights
 from tests.factories import generate_request, raw_generate, token_prompts
 from tests.support.proxy import CuttableProxy

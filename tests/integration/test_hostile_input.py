@@ -550,7 +550,8 @@ async def redis_case(redis_url: str, row_id: str, poison: Callable[[object, str,
 
     from bubblespec.store import DraftEntry, DraftSource, ResilientStore, StoreSettings, prompt_key
     from bubblespec.store.redis_store import RedisStore, draft_key, length_key
-    from bubblespec.worker.agent import WorkerAgent, WorkerSettings
+    from bubblespec.worker.agent import WorkerAgent
+    from bubblespec.worker.settings import WorkerSettings
 
     settings = StoreSettings(url=redis_url, key_prefix=f"hostile-{row_id}-{os.getpid()}:", retry_after_seconds=0.0)
     prompt = (11, 12, 13)

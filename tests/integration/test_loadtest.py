@@ -17,7 +17,7 @@ from bubblespec.cli.loadtest import (
 )
 from bubblespec.common.types import FinishReason, SamplingParams
 from bubblespec.scheduler.wire import ASSIGN_BATCH_MAX
-from bubblespec.worker.agent import BATCH_MAX
+from bubblespec.worker.link import BATCH_MAX
 from bubblespec.worker.engine import EngineRequest
 from bubblespec.bench.load_engine import (
     EOS_TOKEN_ID,
@@ -144,7 +144,8 @@ async def test_worker_whose_engine_died_leaves_and_its_work_is_done_elsewhere():
     from bubblespec.client import AsyncRolloutClient, Prompt
     from bubblespec.scheduler.server import Scheduler
     from bubblespec.scheduler.settings import SchedulerSettings
-    from bubblespec.worker.agent import WorkerAgent, WorkerSettings, stop_agents
+    from bubblespec.worker.agent import WorkerAgent, stop_agents
+    from bubblespec.worker.settings import WorkerSettings
 
     sched = Scheduler(SchedulerSettings(host="127.0.0.1", grpc_port=0, http_port=-1))
     await sched.start()

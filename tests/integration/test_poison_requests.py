@@ -22,7 +22,8 @@ from bubblespec.scheduler.core.settings import CoreSettings
 from bubblespec.scheduler.core.validate import Limits
 from bubblespec.scheduler.server import Scheduler
 from bubblespec.scheduler.settings import SchedulerSettings
-from bubblespec.worker.agent import WorkerAgent, WorkerSettings, stop_agents
+from bubblespec.worker.agent import WorkerAgent, stop_agents
+from bubblespec.worker.settings import WorkerSettings
 from bubblespec.worker.engine import EngineSettings
 from bubblespec.bench.load_engine import LoadEngineSettings, LoadTestEngine
 from tests.support.fake_worker import FakeWorker, fake_tokens, wait_until

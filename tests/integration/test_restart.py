@@ -28,7 +28,8 @@ from pathlib import Path
 import pytest
 
 from bubblespec.client import AsyncRolloutClient, ClientSettings, Prompt, Retry, SamplingParams, ServiceUnavailable
-from bubblespec.worker.agent import WorkerAgent, WorkerSettings, stop_agents
+from bubblespec.worker.agent import WorkerAgent, stop_agents
+from bubblespec.worker.settings import WorkerSettings
 from tests.factories import token_prompts
 
 pytestmark = pytest.mark.vllm
@@ -168,7 +169,7 @@ async def test_scheduler_sigkill_and_restart_with_default_settings(cluster, redi
 
 
 async def test_silent_scheduler_is_noticed_by_trainer_and_workers_within_seconds(cluster, tmp_path, caplog):
-    caplog.set_level(logging.WARNING, logger="bubblespec.worker.agent")
+    caplog.set_level(logging.WARNING, logger="bubblespec.worker.link")
     sched = SchedulerProcess(tmp_path / "scheduler.log")
     sched.start()
     agents, runs = start_agents(cluster, sched.target, "sigstop")

@@ -44,7 +44,8 @@ from bubblespec.scheduler.core.validate import Limits
 from bubblespec.scheduler.server import Scheduler
 from bubblespec.scheduler.settings import SchedulerSettings
 from bubblespec.store import StoreSettings
-from bubblespec.worker.agent import WorkerAgent, WorkerSettings
+from bubblespec.worker.agent import WorkerAgent
+from bubblespec.worker.settings import WorkerSettings
 from bubblespec.worker.engine import EngineInfo, EngineOutput, EngineRequest, EngineSettings
 from tests.integration.test_metrics_ui import CHROMIUM, chromium
 from tests.support.fake_worker import FakeWorker, fake_tokens, wait_until

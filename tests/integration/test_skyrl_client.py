@@ -31,7 +31,8 @@ import pytest
 
 from bubblespec.bench.load_engine import LoadEngineSettings, LoadTestEngine
 from bubblespec.scheduler.core.types import PolicyFailed
-from bubblespec.worker.agent import WorkerAgent, WorkerSettings, stop_agents
+from bubblespec.worker.agent import WorkerAgent, stop_agents
+from bubblespec.worker.settings import WorkerSettings
 from bubblespec.worker.engine import EngineSettings
 from tests.integration.test_weight_transfer import started
 from tests.support.fake_worker import wait_until

@@ -22,7 +22,7 @@ from bubblespec.scheduler.settings import SchedulerSettings
 from bubblespec.store import StoreSettings
 from bubblespec.worker import compat
 from bubblespec.worker import engine as engine_module
-from bubblespec.worker.agent import WorkerSettings
+from bubblespec.worker.settings import WorkerSettings
 from bubblespec.worker.main import serve
 from bubblespec.worker.selfcheck import SelfCheckFailed
 

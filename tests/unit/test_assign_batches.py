@@ -28,7 +28,8 @@ from bubblespec.scheduler.core.types import Abort, Assign, ControlCall, LoadPoli
 from bubblespec.scheduler.server import Scheduler
 from bubblespec.scheduler.service import END, SchedulerService
 from bubblespec.scheduler.settings import SchedulerSettings
-from bubblespec.worker.agent import WorkerAgent, WorkerSettings
+from bubblespec.worker.agent import WorkerAgent
+from bubblespec.worker.settings import WorkerSettings
 from bubblespec.worker.engine import EngineSettings
 from tests.factories import generate_request
 from tests.support.fake_worker import FakeWorker, wait_until
@@ -174,13 +175,13 @@ async def test_the_agent_refuses_a_bad_batch_entry_by_its_index_and_runs_the_oth
     engine = _engine()
     await engine.start()
     agent = WorkerAgent(WorkerSettings(worker_id="w", history_drafts=False), engine)
-    assert agent._hello().accepts_assign_batches
+    assert agent.hello().accepts_assign_batches
     try:
         batch = pb.AssignBatch(assignments=[_entry(0), _entry(1), _entry(2, prompt=()), _entry(3)])
-        await agent._handle(pb.SchedulerMessage(assigns=batch))
+        await agent.handle(pb.SchedulerMessage(assigns=batch))
         got: dict[str, pb.WorkerMessage] = {}
         while len(got) < 4:
-            msg = await asyncio.wait_for(agent.outbox.get(), 10)
+            msg = await asyncio.wait_for(agent.link.outbox.get(), 10)
             kind = msg.WhichOneof("kind")
             if kind == "completion":
                 got[msg.completion.request_key] = msg
@@ -204,9 +205,9 @@ async def test_the_worker_agent_gets_batches_from_the_real_scheduler_and_complet
     kinds: list[str] = []
 
     class Recording(WorkerAgent):
-        async def _handle(self, msg) -> None:
+        async def handle(self, msg) -> None:
             kinds.append(msg.WhichOneof("kind"))
-            await super()._handle(msg)
+            await super().handle(msg)
 
     agent = Recording(WorkerSettings(scheduler=f"127.0.0.1:{scheduler.grpc_port}", worker_id="real", history_drafts=False,
                                      engine=EngineSettings(model="simulated", max_model_len=64, max_num_seqs=8)), engine)

@@ -28,8 +28,9 @@ from bubblespec.scheduler.journal import StepJournal
 from bubblespec.scheduler.server import Scheduler
 from bubblespec.scheduler.settings import SchedulerSettings
 from bubblespec.store import StoreSettings
-from bubblespec.worker import agent as agent_module
-from bubblespec.worker.agent import WorkerAgent, WorkerSettings
+from bubblespec.worker import link as link_module
+from bubblespec.worker.agent import WorkerAgent
+from bubblespec.worker.settings import WorkerSettings
 from tests.factories import generate_request
 from tests.support.fake_worker import FakeWorker, wait_until
 from tests.support.redis_server import RedisServer, redis_server_available
@@ -160,12 +161,12 @@ def _worker_completion(key: str, tokens: int = 2) -> pb.WorkerMessage:
 
 async def test_the_agent_sends_completions_queued_together_as_one_message_in_order(monkeypatch):
     agent = WorkerAgent(WorkerSettings(worker_id="w"), engine=None)  # type: ignore[arg-type]
-    monkeypatch.setattr(agent_module, "BATCH_BYTES", 3 * _worker_completion("k0").completion.ByteSize() + 1)
+    monkeypatch.setattr(link_module, "BATCH_BYTES", 3 * _worker_completion("k0").completion.ByteSize() + 1)
     beat = pb.WorkerMessage(heartbeat=pb.Heartbeat(running=1))
     for msg in [_worker_completion("k0"), _worker_completion("k1"), beat, _worker_completion("k2"),
                 _worker_completion("big", tokens=100), *(_worker_completion(f"m{i}") for i in range(4)), None]:
-        agent.outbox.put_nowait(msg)
-    sent = [msg async for msg in agent._outgoing()]
+        agent.link.outbox.put_nowait(msg)
+    sent = [msg async for msg in agent.link.outgoing()]
     shape = [[c.request_key for c in m.completions.completions] if m.WhichOneof("kind") == "completions"
              else m.WhichOneof("kind") + (":" + m.completion.request_key if m.HasField("completion") else "")
              for m in sent]
@@ -199,15 +200,15 @@ async def test_the_journal_writes_a_steps_completions_as_one_hset_per_batch():
 
 async def test_the_agent_sends_the_progress_reported_within_one_period_in_one_message():
     agent = WorkerAgent(WorkerSettings(worker_id="w", progress_seconds=0.05), engine=None)  # type: ignore[arg-type]
-    agent._report_progress("a", 3)
-    agent._report_progress("b", 5)
-    agent._report_progress("a", 4)  # a later report of the same request replaces the earlier one
-    await wait_until(lambda: not agent.outbox.empty(), what="the progress message")
-    msg = agent.outbox.get_nowait()
+    agent.link.report_progress("a", 3)
+    agent.link.report_progress("b", 5)
+    agent.link.report_progress("a", 4)  # a later report of the same request replaces the earlier one
+    await wait_until(lambda: not agent.link.outbox.empty(), what="the progress message")
+    msg = agent.link.outbox.get_nowait()
     assert [(p.request_key, p.generated_tokens) for p in msg.progress_batch.progress] == [("a", 4), ("b", 5)]
-    agent._report_progress("c", 1)  # alone in its period: the single form
-    await wait_until(lambda: not agent.outbox.empty(), what="the second progress message")
-    single = agent.outbox.get_nowait()
+    agent.link.report_progress("c", 1)  # alone in its period: the single form
+    await wait_until(lambda: not agent.link.outbox.empty(), what="the second progress message")
+    single = agent.link.outbox.get_nowait()
     assert single.WhichOneof("kind") == "progress" and single.progress.request_key == "c"
 
 

@@ -30,8 +30,9 @@ from bubblespec.scheduler.core.settings import CoreSettings
 from bubblespec.scheduler.core.types import Assign, RequestSpec
 from bubblespec.scheduler.server import Scheduler
 from bubblespec.scheduler.settings import SchedulerSettings
-from bubblespec.worker import agent as agent_module
-from bubblespec.worker.agent import WorkerAgent, WorkerSettings
+from bubblespec.worker import link as link_module
+from bubblespec.worker.agent import WorkerAgent
+from bubblespec.worker.settings import WorkerSettings
 from tests.factories import generate_request
 from tests.support.fake_worker import FakeWorker, wait_until
 from tests.support.redis_server import RedisServer, redis_server_available
@@ -61,19 +62,19 @@ def _running(agent: WorkerAgent, key: str) -> asyncio.Task:
 async def test_the_agent_sends_completions_that_end_within_the_gap_in_one_message_in_order():
     agent = WorkerAgent(WorkerSettings(worker_id="w", completion_batch_seconds=3.0), engine=None)  # type: ignore[arg-type]
     running = _running(agent, "still-running")  # the gap holds completions only while others may end
-    stream = agent._outgoing()
-    agent.outbox.put_nowait(_worker_completion("k0"))
+    stream = agent.link.outgoing()
+    agent.link.outbox.put_nowait(_worker_completion("k0"))
     assert _shape(await anext(stream)) == ["k0"]  # the first after a quiet spell: alone, not held for the gap
-    agent.outbox.put_nowait(_worker_completion("k1"))
+    agent.link.outbox.put_nowait(_worker_completion("k1"))
     second = asyncio.create_task(anext(stream))
     for _ in range(5):  # k1 is held for the rest of the gap; completions ending meanwhile join it
         await asyncio.sleep(0)
     assert not second.done()
-    agent.outbox.put_nowait(_worker_completion("k2"))
+    agent.link.outbox.put_nowait(_worker_completion("k2"))
     for _ in range(3):
         await asyncio.sleep(0)
-    agent.outbox.put_nowait(_worker_completion("k3"))
-    agent.outbox.put_nowait(None)
+    agent.link.outbox.put_nowait(_worker_completion("k3"))
+    agent.link.outbox.put_nowait(None)
     assert _shape(await second) == ["k1", "k2", "k3"]
     assert [m async for m in stream] == []  # the stream ends after the batch
     running.cancel()
@@ -83,18 +84,18 @@ async def test_the_last_running_request_ending_sends_the_waiting_batch_at_once()
     agent = WorkerAgent(WorkerSettings(worker_id="w", completion_batch_seconds=600.0), engine=None)  # type: ignore[arg-type]
     running = _running(agent, "last")
     draft_job = _running(agent, "draft:j1")  # a draft job sends no completion: it holds nothing back
-    stream = agent._outgoing()
-    agent.outbox.put_nowait(_worker_completion("k0"))
+    stream = agent.link.outgoing()
+    agent.link.outbox.put_nowait(_worker_completion("k0"))
     assert _shape(await anext(stream)) == ["k0"]
-    agent.outbox.put_nowait(_worker_completion("k1"))
+    agent.link.outbox.put_nowait(_worker_completion("k1"))
     batch = asyncio.create_task(anext(stream))
     for _ in range(5):
         await asyncio.sleep(0)
     assert not batch.done()  # held for the 600 s gap while "last" may still end and join
-    agent.outbox.put_nowait(_worker_completion("k2"))
+    agent.link.outbox.put_nowait(_worker_completion("k2"))
     agent._untrack("last")  # the last request's completion is queued: nothing more can come
     assert _shape(await asyncio.wait_for(batch, 60)) == ["k1", "k2"]  # the bound only ends a hang
-    agent.outbox.put_nowait(_worker_completion("k3"))  # no request running: not held at all
+    agent.link.outbox.put_nowait(_worker_completion("k3"))  # no request running: not held at all
     assert _shape(await asyncio.wait_for(anext(stream), 60)) == ["k3"]
     await stream.aclose()
     running.cancel()
@@ -102,14 +103,14 @@ async def test_the_last_running_request_ending_sends_the_waiting_batch_at_once()
 
 
 async def test_a_full_batch_already_waiting_does_not_wait_for_the_gap(monkeypatch):
-    monkeypatch.setattr(agent_module, "BATCH_MAX", 3)
+    monkeypatch.setattr(link_module, "BATCH_MAX", 3)
     agent = WorkerAgent(WorkerSettings(worker_id="w", completion_batch_seconds=600.0), engine=None)  # type: ignore[arg-type]
     running = _running(agent, "still-running")
-    stream = agent._outgoing()
-    agent.outbox.put_nowait(_worker_completion("k0"))
+    stream = agent.link.outgoing()
+    agent.link.outbox.put_nowait(_worker_completion("k0"))
     assert _shape(await anext(stream)) == ["k0"]
     for i in range(1, 5):
-        agent.outbox.put_nowait(_worker_completion(f"k{i}"))
+        agent.link.outbox.put_nowait(_worker_completion(f"k{i}"))
     full = await asyncio.wait_for(anext(stream), 60)  # not held for the 600 s gap: the bound only ends a hang
     assert _shape(full) == ["k1", "k2", "k3"]
     await stream.aclose()  # k4 would wait for the gap
@@ -118,13 +119,13 @@ async def test_a_full_batch_already_waiting_does_not_wait_for_the_gap(monkeypatc
 
 async def test_without_a_gap_only_the_completions_queued_together_share_a_message():
     agent = WorkerAgent(WorkerSettings(worker_id="w", completion_batch_seconds=0.0), engine=None)  # type: ignore[arg-type]
-    stream = agent._outgoing()
-    agent.outbox.put_nowait(_worker_completion("k0"))
-    agent.outbox.put_nowait(_worker_completion("k1"))
+    stream = agent.link.outgoing()
+    agent.link.outbox.put_nowait(_worker_completion("k0"))
+    agent.link.outbox.put_nowait(_worker_completion("k1"))
     assert _shape(await anext(stream)) == ["k0", "k1"]
-    agent.outbox.put_nowait(_worker_completion("k2"))
+    agent.link.outbox.put_nowait(_worker_completion("k2"))
     assert _shape(await anext(stream)) == ["k2"]
-    agent.outbox.put_nowait(None)
+    agent.link.outbox.put_nowait(None)
     assert [m async for m in stream] == []
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.common.types import FinishReason, Provenance, SamplingParams
-from bubblespec.worker.agent import ASSIGNMENT_STREAM_TOKENS, WorkerAgent, WorkerSettings
+from bubblespec.worker.agent import ASSIGNMENT_STREAM_TOKENS, WorkerAgent
+from bubblespec.worker.settings import WorkerSettings
 from bubblespec.worker.engine import EngineInfo, EngineOutput, EngineRequest, EngineSettings, VllmEngine
 
 ENGINE = VllmEngine(EngineSettings(model="unused"))

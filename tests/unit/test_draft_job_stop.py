@@ -16,7 +16,8 @@ from bubblespec.common.types import FinishReason, Provenance
 from bubblespec.store import ResilientStore, StoreSettings, prompt_key
 from bubblespec.store.memory import MemoryStore
 from bubblespec.store.types import StoreUnavailable
-from bubblespec.worker.agent import WorkerAgent, WorkerSettings
+from bubblespec.worker.agent import WorkerAgent
+from bubblespec.worker.settings import WorkerSettings
 from bubblespec.worker.engine import EngineInfo, EngineOutput, EngineRequest
 from tests.unit.test_worker_policy_load import sent
 
@@ -67,17 +68,17 @@ def _job(job_id: str) -> pb.SchedulerMessage:
 
 def _results(agent: WorkerAgent) -> list[pb.DraftResult]:
     out = []
-    while not agent.outbox.empty():
-        msg = agent.outbox.get_nowait()
+    while not agent.link.outbox.empty():
+        msg = agent.link.outbox.get_nowait()
         if msg.WhichOneof("kind") == "draft_result":
             out.append(msg.draft_result)
     return out
 
 
 async def _stop_when_generating(agent: WorkerAgent, engine: SlowAbortEngine, job_id: str) -> None:
-    await agent._handle(_job(job_id))
+    await agent.handle(_job(job_id))
     await asyncio.wait_for(engine.generating.wait(), 5)
-    await agent._handle(pb.SchedulerMessage(stop_draft=pb.StopDraft(job_id=job_id)))
+    await agent.handle(pb.SchedulerMessage(stop_draft=pb.StopDraft(job_id=job_id)))
 
 
 async def test_a_stopped_job_aborts_then_stores_and_reports_its_partial_draft() -> None:

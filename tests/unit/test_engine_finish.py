@@ -15,7 +15,8 @@ import pytest
 
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.common.types import FinishReason, SamplingParams
-from bubblespec.worker.agent import WorkerAgent, WorkerSettings
+from bubblespec.worker.agent import WorkerAgent
+from bubblespec.worker.settings import WorkerSettings
 from bubblespec.worker.engine import EngineRequest, EngineSettings, GenerationFailed, VllmEngine
 
 
@@ -77,8 +78,8 @@ def assignment() -> pb.Assignment:
 
 def sent(agent: WorkerAgent) -> list:
     out = []
-    while not agent.outbox.empty():
-        msg = agent.outbox.get_nowait()
+    while not agent.link.outbox.empty():
+        msg = agent.link.outbox.get_nowait()
         out.append(None if msg is None else msg.WhichOneof("kind"))
     return [m for m in out if m != "heartbeat"]
 
@@ -86,16 +87,16 @@ def sent(agent: WorkerAgent) -> list:
 async def test_agent_reports_an_aborted_generation_and_stays_while_the_engine_lives():
     agent = WorkerAgent(WorkerSettings(worker_id="w"), engine_with(FakeLLM("abort")))
     await agent._run_assignment(assignment())
-    msgs = list(agent.outbox._queue)  # type: ignore[attr-defined]
+    msgs = list(agent.link.outbox._queue)  # type: ignore[attr-defined]
     assert sent(agent) == ["aborted"]
     assert "finish reason 'abort'" in msgs[0].aborted.reason and msgs[0].aborted.request_key == "s/p0/0"
-    assert agent.failed is None and not agent._stopping
+    assert agent.failed is None and not agent.link.stopping
 
 
 async def test_agent_leaves_when_the_engine_died():
     agent = WorkerAgent(WorkerSettings(worker_id="w"), engine_with(FakeLLM("abort", errored=True)))
     await agent._run_assignment(assignment())
     assert sent(agent) == ["aborted", None], "Aborted first, then the stream closes"
-    assert isinstance(agent.failed, RuntimeError) and agent._stopping
+    assert isinstance(agent.failed, RuntimeError) and agent.link.stopping
     with pytest.raises(RuntimeError, match="engine died"):
         await asyncio.wait_for(agent.run(), 5)  # run() ends at once with the engine's failure

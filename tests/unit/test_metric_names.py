@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -119,7 +120,7 @@ class FakeAgent:
         self.drafted_request_seconds = 2.8e-5
         self.version = 2
         self.tokens_window: list[tuple[float, int]] = []
-        self.connected = asyncio.Event()
+        self.link = SimpleNamespace(connected=asyncio.Event())
         self.store = store
 
 

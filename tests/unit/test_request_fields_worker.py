@@ -16,7 +16,8 @@ from bubblespec.common.rules import DRAFT_SEEDS
 from bubblespec.common.types import Completion, FinishReason, Provenance, SamplingParams
 from bubblespec.store import DraftEntry, DraftSource, prompt_key
 from bubblespec.store.memory import MemoryStore
-from bubblespec.worker.agent import WorkerAgent, WorkerSettings
+from bubblespec.worker.agent import WorkerAgent
+from bubblespec.worker.settings import WorkerSettings
 from bubblespec.worker.draft_index import Candidate, DraftLength, RequestDrafter
 from bubblespec.worker.engine import EngineOutput, EngineRequest, EngineSettings, VllmEngine
 from bubblespec.worker.engine_logprobs import top_alternatives as _top

@@ -18,7 +18,7 @@ from bubblespec.scheduler.core.validate import (
     Limits, build_step, check_request_bytes, check_sampling, check_weights_path, worker_message_bound,
 )
 from bubblespec.scheduler.settings import SchedulerSettings
-from bubblespec.worker.agent import WorkerSettings
+from bubblespec.worker.settings import WorkerSettings
 
 MODEL = ModelLimits(max_model_len=512, vocab_size=128)
 OK = SamplingParams(temperature=0.0, max_tokens=4)

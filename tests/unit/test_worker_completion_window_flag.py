@@ -7,7 +7,7 @@ import pytest
 
 from bubblespec.cli.commands import _worker_settings
 from bubblespec.cli.main import build_parser
-from bubblespec.worker.agent import WorkerSettings
+from bubblespec.worker.settings import WorkerSettings
 
 
 def test_default_is_the_agents_default() -> None:

@@ -7,7 +7,8 @@ import pytest
 
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.common.types import FinishReason
-from bubblespec.worker.agent import WorkerAgent, WorkerSettings
+from bubblespec.worker.agent import WorkerAgent
+from bubblespec.worker.settings import WorkerSettings
 from bubblespec.worker.checkpoint import CheckpointError, read_checkpoint
 from bubblespec.worker.engine import EngineInfo, EngineOutput, EngineSettings, VllmEngine
 from tests.unit.test_checkpoint import TENSORS, write
@@ -34,8 +35,8 @@ class FakeEngine:
 
 def sent(agent: WorkerAgent) -> list[pb.WorkerMessage]:
     out = []
-    while not agent.outbox.empty():
-        out.append(agent.outbox.get_nowait())
+    while not agent.link.outbox.empty():
+        out.append(agent.link.outbox.get_nowait())
     return out
 
 

@@ -12,7 +12,8 @@ from bubblespec.common.rules import resume_seed
 from bubblespec.common.types import Completion, FinishReason, Provenance, SourceStats
 from bubblespec.store import DraftEntry, DraftSource, prompt_key
 from bubblespec.store.memory import MemoryStore
-from bubblespec.worker.agent import WorkerAgent, WorkerSettings
+from bubblespec.worker.agent import WorkerAgent
+from bubblespec.worker.settings import WorkerSettings
 from bubblespec.worker.engine import EngineInfo, EngineOutput, EngineRequest
 
 PROMPT = (5, 6, 7)
@@ -65,8 +66,8 @@ def _assign(resume: Completion | None = None) -> pb.SchedulerMessage:
 
 def _sent(agent: WorkerAgent, kind: str) -> list:
     out = []
-    while not agent.outbox.empty():
-        msg = agent.outbox.get_nowait()
+    while not agent.link.outbox.empty():
+        msg = agent.link.outbox.get_nowait()
         if msg is not None and msg.WhichOneof("kind") == kind:
             out.append(getattr(msg, kind))
     return out
@@ -75,9 +76,9 @@ def _sent(agent: WorkerAgent, kind: str) -> list:
 async def test_a_request_stopped_to_move_sends_what_it_generated() -> None:
     engine = ScriptedEngine(make=6, finish=False)
     agent = WorkerAgent(WorkerSettings(worker_id="w"), engine, MemoryStore())  # type: ignore[arg-type]
-    await agent._handle(_assign())
+    await agent.handle(_assign())
     await asyncio.wait_for(engine.waiting.wait(), 5)
-    await agent._handle(pb.SchedulerMessage(abort=pb.Abort(request_key="s/p0/1", keep_partial=True)))
+    await agent.handle(pb.SchedulerMessage(abort=pb.Abort(request_key="s/p0/1", keep_partial=True)))
     (aborted,) = _sent(agent, "aborted")
     p = cv.completion_from_pb(aborted.partial)
     assert aborted.request_key == "s/p0/1" and aborted.HasField("partial")
@@ -91,11 +92,11 @@ async def test_a_request_stopped_to_move_sends_what_it_generated() -> None:
 async def test_a_plain_abort_sends_nothing_and_a_stop_for_a_finished_request_is_a_no_op() -> None:
     engine = ScriptedEngine(make=6, finish=False)
     agent = WorkerAgent(WorkerSettings(worker_id="w"), engine, MemoryStore())  # type: ignore[arg-type]
-    await agent._handle(_assign())
+    await agent.handle(_assign())
     await asyncio.wait_for(engine.waiting.wait(), 5)
-    await agent._handle(pb.SchedulerMessage(abort=pb.Abort(request_key="s/p0/1")))
+    await agent.handle(pb.SchedulerMessage(abort=pb.Abort(request_key="s/p0/1")))
     assert not _sent(agent, "aborted")
-    await agent._handle(pb.SchedulerMessage(abort=pb.Abort(request_key="s/p0/9", keep_partial=True)))
+    await agent.handle(pb.SchedulerMessage(abort=pb.Abort(request_key="s/p0/9", keep_partial=True)))
     assert not _sent(agent, "aborted") and not agent._keep_partial
 
 
@@ -107,7 +108,7 @@ async def test_a_moved_request_goes_on_from_its_partial_and_returns_the_whole_re
     agent = WorkerAgent(WorkerSettings(worker_id="w2"), engine, store)  # type: ignore[arg-type]
     before = Completion("s", "p0", 1, (10, 11, 12, 13, 14, 15), (-0.25,) * 6, "abcdef", FinishReason.STOP, 0, "w",
                         3, Provenance(3, (SourceStats("future", 5, 3),)))
-    await agent._handle(_assign(before))
+    await agent.handle(_assign(before))
     await asyncio.wait_for(agent.tasks["s/p0/1"], 5)
     (request,) = engine.requests
     assert request.prompt_token_ids == PROMPT + before.token_ids
@@ -125,7 +126,7 @@ async def test_a_partial_as_long_as_the_request_may_be_is_refused_naming_resume(
     engine = ScriptedEngine(make=1, finish=True)
     agent = WorkerAgent(WorkerSettings(worker_id="w2"), engine, MemoryStore())  # type: ignore[arg-type]
     before = Completion("s", "p0", 1, tuple(range(16)), (), "", FinishReason.STOP, 0)
-    await agent._handle(_assign(before))
+    await agent.handle(_assign(before))
     await asyncio.wait_for(agent.tasks["s/p0/1"], 5)
     (aborted,) = _sent(agent, "aborted")
     assert "resume" in aborted.reason and not aborted.HasField("partial") and not engine.requests
@@ -158,9 +159,9 @@ class FinishingEngine(ScriptedEngine):
 async def test_a_stop_while_the_engine_finishes_sends_only_what_the_last_progress_output_held() -> None:
     engine = FinishingEngine()
     agent = WorkerAgent(WorkerSettings(worker_id="w"), engine, MemoryStore())  # type: ignore[arg-type]
-    await agent._handle(_assign())
+    await agent.handle(_assign())
     await asyncio.wait_for(engine.in_final_await.wait(), 5)
-    await agent._handle(pb.SchedulerMessage(abort=pb.Abort(request_key="s/p0/1", keep_partial=True)))
+    await agent.handle(pb.SchedulerMessage(abort=pb.Abort(request_key="s/p0/1", keep_partial=True)))
     (aborted,) = _sent(agent, "aborted")
     p = cv.completion_from_pb(aborted.partial)
     # not the finished response's 9 tokens (with its EOS): a worker going on from those would
