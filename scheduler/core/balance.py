@@ -41,7 +41,7 @@ class Balancer:
     def expected(self, req: RequestState) -> float:
         """Predicted tokens ``req`` still has to generate (at least one while it runs)."""
         prompt = req.spec.prompt_token_ids
-        predicted = self.core._predicted(prompt) or float(len(prompt))  # no history yet: order by prompt length
+        predicted = self.core.history.predicted(prompt) or float(len(prompt))  # no history yet: order by prompt length
         return max(1.0, min(predicted, float(req.spec.sampling.max_tokens)) - req.progress)
 
     def outstanding(self, w: WorkerState) -> float:

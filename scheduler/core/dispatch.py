@@ -47,7 +47,7 @@ class Dispatcher:
         return actions
 
     def group_size(self) -> int:
-        step = self.core._current_step()
+        step = self.core.current_step()
         if step is None or self.core.settings.spread_samples:
             return 1
         return self.core.pool.group_size if step.spec.step_id == POOL else step.spec.sampling.n

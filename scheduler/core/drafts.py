@@ -94,7 +94,7 @@ class DraftJobs:
         self.last_finish = (now, makespan)
         self.tail = None
         core = self.core
-        if core.settings.max_draft_jobs_during_step is None or core._current_step() is not None:
+        if core.settings.max_draft_jobs_during_step is None or core.current_step() is not None:
             return []
         return [a for w in core.workers.values() if not w.running for a in self.plan(w)]
 
@@ -183,7 +183,7 @@ class DraftJobs:
         starts beside so few again until the next step (``beside``). Once a step: a pass over the workers."""
         least = self.core.settings.min_requests_beside_draft_jobs_at_tail
         if self.tail is not None or not least or w.running or self.held or w.loading is not None \
-                or w.load_failed is not None or not self.drafter(w) or self.core._current_step() is None:
+                or w.load_failed is not None or not self.drafter(w) or self.core.current_step() is None:
             return []
         self.tail = w.hello.worker_id
         return [a for o in self.core.workers.values() if o.running and o.drafts and len(o.running) < least
@@ -202,7 +202,7 @@ class DraftJobs:
         actions: list[Action] = []
         if width is None:
             width = settings.max_draft_jobs_per_worker
-            if settings.max_draft_jobs_during_step is not None and core._current_step() is not None:
+            if settings.max_draft_jobs_during_step is not None and core.current_step() is not None:
                 width = min(width, settings.max_draft_jobs_during_step)
             width = min(w.capacity, width)
         while len(w.drafts) < width:

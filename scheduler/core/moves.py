@@ -165,7 +165,7 @@ class Mover:
             partial = checked_partial(partial, req, getattr(core, "limits", None))
         except InvalidRequest as exc:
             return [Ignored(worker_id, exc.field, str(exc)),
-                    *core._take_back(step, req, worker_id, f"its partial was refused: {exc}"), *core.dispatcher.fill_all()]
+                    *core.take_back(step, req, worker_id, f"its partial was refused: {exc}"), *core.dispatcher.fill_all()]
         req.worker, req.moved_from, req.resume = None, worker_id, continued(req.resume, partial)
         req.progress, req.progress_at = len(partial.token_ids), core.clock()
         step.moved += 1

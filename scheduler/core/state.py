@@ -106,7 +106,7 @@ class SchedulerCore(CoreView, AdapterCommands):
         self.limits: ModelLimits | None = None
         self.planner = DraftPlanner()
         self.history = LengthHistory(settings.max_length_history)  # predicted response lengths (core/history.py)
-        self.timing = TimeAccounting(settings.timeline_segments, self._current_step)  # core/timing.py
+        self.timing = TimeAccounting(settings.timeline_segments, self.current_step)  # core/timing.py
         self.pauser = Pauser(self)  # /pause and /resume (core/pause.py)
         self.balancer = Balancer(self)  # which worker takes queued work (core/balance.py)
         self.mover = Mover(self)  # long requests moved to idle workers (core/moves.py)
@@ -158,7 +158,7 @@ class SchedulerCore(CoreView, AdapterCommands):
             if step is not None and req is not None and step.active:
                 if req.moving_to is not None:
                     self.mover.cancel(req)
-                actions += self._take_back(step, req, worker_id, reason)
+                actions += self.take_back(step, req, worker_id, reason)
         for key in list(w.private):
             step, req = self._unfinished(key)
             if step is not None and req is not None:
@@ -176,7 +176,7 @@ class SchedulerCore(CoreView, AdapterCommands):
             return None, None
         return step, req
 
-    def _take_back(self, step: StepState, req: RequestState, worker_id: str, reason: str) -> list[Action]:
+    def take_back(self, step: StepState, req: RequestState, worker_id: str, reason: str) -> list[Action]:
         """``worker_id`` failed ``req``: count the attempt and re-queue it (preferably for
         another worker), or fail its step once ``max_attempts`` attempts failed."""
         if step.spec.step_id == POOL and (answer := self.pool.lost(step, req, worker_id, reason)) is not None:
@@ -453,10 +453,6 @@ class SchedulerCore(CoreView, AdapterCommands):
             actions += self.mover.take_for(w)
         return actions
 
-    def _predicted(self, prompt: tuple[int, ...]) -> float:
-        """Expected response length of ``prompt`` (``LengthHistory.predicted``)."""
-        return self.history.predicted(prompt)
-
     def on_aborted(self, worker_id: str, key: str, reason: str = "", partial: Completion | None = None) -> list[Action]:
         """The worker could not run the request (a failed attempt): give it to someone else,
         or fail the step after ``max_attempts``. With ``partial``, the worker stopped a request
@@ -472,7 +468,7 @@ class SchedulerCore(CoreView, AdapterCommands):
         moving = req.moving_to is not None
         self.workers[worker_id].running.discard(key)
         self.workers[worker_id].moved_in.discard(key)
-        actions = self._take_back(step, req, worker_id, f"aborted by the worker: {reason or 'no reason given'}")
+        actions = self.take_back(step, req, worker_id, f"aborted by the worker: {reason or 'no reason given'}")
         if moving:  # it was to move, and failed first: it runs again from the start
             self.mover.cancel(req)
         return actions + self.dispatcher.fill_all()
@@ -531,7 +527,7 @@ class SchedulerCore(CoreView, AdapterCommands):
             if step.active and len(step.shared) > 1 and step.spec.sampling.n > 1 \
                     and step.spec.policy is not SchedulingPolicy.STATIC:
                 running = (step.requests[k] for w in self.workers.values() for k in w.running if k in step.requests)
-                by_probes(step, self._predicted, running, now)
+                by_probes(step, self.history.predicted, running, now)
         return actions
 
     def _rebalance(self, step: StepState, now: float) -> list[Action]:
@@ -603,7 +599,7 @@ class SchedulerCore(CoreView, AdapterCommands):
 
     # ------------------------------------------------------- time accounting --
 
-    def _current_step(self) -> StepState | None:
+    def current_step(self) -> StepState | None:
         """The first active step; the pool (``core/pool.py``) only when no step runs."""
         pool = None
         for step in self.steps.values():

@@ -148,7 +148,7 @@ class CoreView:
     pool: Any
     versions: Any
 
-    def _current_step(self) -> StepState | None:
+    def current_step(self) -> StepState | None:
         raise NotImplementedError
 
     def stats(self) -> CoreStats:
@@ -210,7 +210,7 @@ class CoreView:
     @property
     def any_step_active(self) -> bool:
         """Whether a step runs (or is held by a pause)."""
-        return self._current_step() is not None
+        return self.current_step() is not None
 
     def restore_policy(self, version: int, weights_path: str) -> None:
         """A restarted scheduler takes the version and weights path its journal kept (before
