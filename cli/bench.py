@@ -217,7 +217,43 @@ def summarize(rows: list[dict], exact: dict[str, bool], first_step: int = 2) -> 
         })
         if equal_speed:
             table[-1]["speedup_equal_speed_median"] = statistics.median(equal_speed)
+        tails = [t for r in mine if (t := _tail(r)) is not None]
+        if tails:
+            table[-1]["tail_passes_per_token"] = statistics.median(p for p, _ in tails)
+            table[-1]["tail_ms_per_pass"] = statistics.median(ms for _, ms in tails)
     return table
+
+
+def _tail(row: dict) -> tuple[float, float] | None:
+    """The step's tail: on the worker that finished last, its longest request's forward passes
+    per token, and that worker's busy time to its end over those passes in ms (what a pass
+    took on the path that set the makespan, queueing and prefill included); None without the
+    figures."""
+    done = [w for w in row.get("per_worker", {}).values() if w.get("done_seconds") and w.get("longest_forward_passes")]
+    if not done:
+        return None
+    last = max(done, key=lambda w: w["done_seconds"])
+    return last["longest_forward_passes"] / last["longest"], 1000 * last["done_seconds"] / last["longest_forward_passes"]
+
+
+def time_split_line(table: list[dict]) -> str:
+    """Where each drafting arm's time went against the baseline, on the step's tail (``_tail``):
+    its passes fell by one factor, each pass grew by another (verifying drafts), and the
+    makespan moved by about their product; '' without the figures."""
+    arms = {t["arm"]: t for t in table if "tail_ms_per_pass" in t}
+    base = arms.get("baseline")
+    if base is None or len(arms) < 2:
+        return ""
+    parts = []
+    for arm, t in arms.items():
+        if arm == "baseline":
+            continue
+        passes = t["tail_passes_per_token"] / base["tail_passes_per_token"]
+        per_pass = t["tail_ms_per_pass"] / base["tail_ms_per_pass"]
+        parts.append(f"{arm} {t['tail_passes_per_token']:.2f} passes a token ({passes:.2f}x) at "
+                     f"{t['tail_ms_per_pass']:.1f} ms ({per_pass:.2f}x): {passes * per_pass:.2f}x the time")
+    return (f"The tail (last worker's longest request): baseline {base['tail_passes_per_token']:.2f} passes a token "
+            f"at {base['tail_ms_per_pass']:.1f} ms a pass; " + "; ".join(parts))
 
 
 def table_lines(table: list[dict]) -> list[str]:
@@ -427,7 +463,7 @@ def _tell_results(say, report: dict, cfg: BenchConfig) -> None:
         f"{report['reference_ms']:.0f} ms (bench/machine.py: lower is faster)")
     if report.get("draft_cost"):
         say(draft_cost_line(report["draft_cost"]))
-    for line in (core_speed_line(report["steps"]), equal_speed_line(report["summary"])):
+    for line in (core_speed_line(report["steps"]), equal_speed_line(report["summary"]), time_split_line(report["summary"])):
         if line:
             say(line)
     say()

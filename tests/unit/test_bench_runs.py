@@ -12,6 +12,7 @@ from bubblespec.cli.bench import (
     equal_speed_line,
     summarize,
     table_lines,
+    time_split_line,
 )
 from bubblespec.cli.main import main
 
@@ -113,3 +114,26 @@ def test_differences_name_each_completion_that_parts_from_the_baseline_and_where
         {"arm": "bubblespec", "run": 1, "step": 1, "completion": 1, "at": 1, "length": 3, "baseline_length": 2},
         {"arm": "bubblespec", "run": 2, "step": 2, "completion": 0, "at": 1, "length": 2, "baseline_length": 1},
     ]
+
+
+def _with_tail(row: dict, workers: dict[str, tuple[float, int, int]]) -> dict:
+    """``row`` with per-worker (done seconds, longest response, its forward passes)."""
+    row["per_worker"] = {w: {"done_seconds": d, "longest": n, "longest_forward_passes": p} for w, (d, n, p) in workers.items()}
+    return row
+
+
+def test_the_tail_splits_an_arms_time_into_fewer_passes_and_longer_ones():
+    exact = dict.fromkeys(["baseline", "bubblespec"], True)
+    rows = []
+    for step in (2, 3):
+        # baseline: the last worker (2.0 s) ran its 200-token request in 200 passes: 10 ms a pass
+        rows.append(_with_tail(_row("baseline", step, 2.0), {"w0": (1.0, 90, 90), "w1": (2.0, 200, 200)}))
+        # drafts: 50 passes for 200 tokens, each 20 ms; the other worker's figures are not the tail's
+        rows.append(_with_tail(_row("bubblespec", step, 1.0), {"w0": (1.0, 200, 50), "w1": (0.5, 10, 1)}))
+    table = {t["arm"]: t for t in summarize(rows, exact)}
+    assert table["baseline"]["tail_passes_per_token"] == 1.0 and table["baseline"]["tail_ms_per_pass"] == pytest.approx(10.0)
+    assert table["bubblespec"]["tail_passes_per_token"] == 0.25 and table["bubblespec"]["tail_ms_per_pass"] == pytest.approx(20.0)
+    line = time_split_line(list(table.values()))
+    assert "baseline 1.00 passes a token at 10.0 ms a pass" in line
+    assert "bubblespec 0.25 passes a token (0.25x) at 20.0 ms (2.00x): 0.50x the time" in line
+    assert time_split_line(summarize([_row("baseline", 2, 1.0), _row("bubblespec", 2, 1.0)], exact)) == ""  # no figures
