@@ -9,7 +9,6 @@ Completions are written back as history drafts and length history; draft jobs wr
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Sequence
@@ -19,28 +18,19 @@ from bubblespec.common import codec as cv
 from bubblespec.common.rules import shares_draft_seeds
 from bubblespec.common.types import Completion
 from bubblespec.store import DraftEntry, DraftSource, DraftStore, prompt_key
-from bubblespec.worker.checkpoint import CheckpointError
 from bubblespec.worker.engine import Engine, EngineRequest
 from bubblespec.worker.link import Link
 from bubblespec.worker.resume import Yielded, joined, joined_prompt_logprobs, joined_top_logprobs, partial, resumed
 from bubblespec.worker.settings import WorkerSettings
+from bubblespec.worker.weights import Weights
 
 __all__ = ["WorkerAgent", "stop_agents"]
 
 logger = logging.getLogger(__name__)
-_CONTROL_OPS = {pb.CONTROL_OP_INIT_WEIGHT_TRANSFER: "init_weight_transfer",  # -> Engine.control's op
-                pb.CONTROL_OP_START_WEIGHT_UPDATE: "start_weight_update",
-                pb.CONTROL_OP_UPDATE_WEIGHTS: "update_weights",
-                pb.CONTROL_OP_FINISH_WEIGHT_UPDATE: "finish_weight_update",
-                pb.CONTROL_OP_RESET_PREFIX_CACHE: "reset_prefix_cache", pb.CONTROL_OP_SLEEP: "sleep",
-                pb.CONTROL_OP_WAKE_UP: "wake_up", pb.CONTROL_OP_ABORT_WEIGHT_UPDATE: "abort_weight_update"}
-_CONTROL_OPS.update({pb.CONTROL_OP_LOAD_LORA_ADAPTER: "load_lora_adapter",  # LoRA adapters: worker/lora.py
-                     pb.CONTROL_OP_UNLOAD_LORA_ADAPTER: "unload_lora_adapter"})
 ASSIGNMENT_STREAM_TOKENS = 16
 """An assignment's progress comes from the engine every 16 tokens (``EngineRequest.stream_tokens``):
 its progress reports go out every ``progress_seconds`` anyway, and an aborted assignment keeps
 nothing. Draft jobs stream every token: a preempted job keeps the tokens it has received."""
-_TRANSFERRED = "weight-transfer:"  # weights path of a version a trainer pushed by weight transfer: no directory
 
 
 DRAFT_PREFIX = "draft:"
@@ -59,7 +49,6 @@ class WorkerAgent:
         self.worker_id = settings.resolved_id()
         self.engine = engine
         self.store = store
-        self.version = settings.policy_version
         self.tasks: dict[str, asyncio.Task] = {}  # request key or draft job id -> task
         self.tokens_window: list[tuple[float, int]] = []
         self.draft_seconds = 0.0
@@ -68,12 +57,11 @@ class WorkerAgent:
         self.drafted_request_seconds = 0.0  # its figure for a drafted request beyond its tokens (read with it)
         self.draft_tokens: dict[str, int] = {}  # running draft job id -> tokens generated so far
         self.failed: Exception | None = None  # set when the engine died: run() raises it
-        self._controls: set[asyncio.Task] = set()  # engine control calls, run one at a time in arrival order
         self._stopped_jobs: set[asyncio.Task] = set()  # stopped draft jobs still cleaning up (``_stop_draft``)
-        self._control_lock = asyncio.Lock()
         self._request_ended = asyncio.Event()  # set when a request's task leaves ``tasks`` (``_untrack``)
         self._keep_partial: set[str] = set()  # requests the scheduler stopped to move: they send what they made
         self.link = Link(settings, self.worker_id, self)
+        self.weights = Weights(self.worker_id, engine, self.link, self, settings.policy_version)
 
     async def run(self) -> None:
         """Serve until ``stop()``, over the link (which re-dials whenever the stream breaks);
@@ -85,11 +73,9 @@ class WorkerAgent:
     async def stop(self) -> None:
         self.link.close()
         await self._drop_all()
-        for task in list(self._controls):
-            task.cancel()
-        await asyncio.gather(*self._controls, return_exceptions=True)
+        await self.weights.stop()
 
-    def _check_engine(self) -> None:
+    def check_engine(self) -> None:
         """After a failed request: if the engine itself is dead, leave the scheduler (which
         re-queues this worker's work at once) and end ``run()`` with an error, so that the
         process exits and its supervisor (Kubernetes) starts a fresh one."""
@@ -103,7 +89,7 @@ class WorkerAgent:
     def hello(self) -> pb.Hello:
         info = self.engine.info
         return pb.Hello(worker_id=self.worker_id, capacity=self.settings.engine.max_num_seqs,
-                        policy_version=self.version, max_model_len=info.max_model_len,
+                        policy_version=self.weights.version, max_model_len=info.max_model_len,
                         vocab_size=info.vocab_size, model=info.model, speculation=info.speculation,
                         logprobs_mode=info.logprobs_mode, dtype=info.dtype, lora_config=info.lora_config,
                         tensor_parallel_size=self.settings.engine.tensor_parallel_size,
@@ -175,16 +161,14 @@ class WorkerAgent:
             await self._cancel(msg.abort.request_key)
             self._keep_partial.discard(msg.abort.request_key)
         elif kind == "load_policy":
-            await self._load_policy(msg.load_policy)
+            await self.weights.load_policy(msg.load_policy)
         elif kind == "draft_job":
             job = msg.draft_job
             self.tasks[DRAFT_PREFIX + job.job_id] = asyncio.create_task(self._run_draft(job))
         elif kind == "stop_draft":
             self._stop_draft(DRAFT_PREFIX + msg.stop_draft.job_id)
         elif kind == "control":
-            task = asyncio.create_task(self._control(msg.control))  # a weight update may block for minutes
-            self._controls.add(task)
-            task.add_done_callback(self._controls.discard)
+            self.weights.control(msg.control)
 
     async def _cancel(self, key: str) -> None:
         task = self._untrack(key)
@@ -205,78 +189,18 @@ class WorkerAgent:
             self._stopped_jobs.add(task)
             task.add_done_callback(self._stopped_jobs.discard)
 
+    # ------------------------------------------------ the weights' host (weights.Host) --
+
+    def running(self) -> int:
+        return len(self.tasks)
+
+    async def drain(self) -> None:
+        await self._drop_all()
+
     async def _drop_all(self) -> None:
         for key in list(self.tasks):
             await self._cancel(key)
         await asyncio.gather(*self._stopped_jobs, return_exceptions=True)  # stopped jobs too: none outlives this
-
-    async def _load_policy(self, cmd: pb.LoadPolicy) -> None:
-        """Load a policy in place. No generation spans a load: whatever still runs (none should:
-        the scheduler stops draft jobs first and updates only between steps) is cancelled first.
-        A checkpoint refused by its check leaves the old weights serving; any later failure
-        leaves them unknown (version -1: this worker serves nothing until a load succeeds)."""
-        started = time.monotonic()
-        if cmd.weights_path.startswith(_TRANSFERRED):  # refused before anything changed
-            error = (f"version {cmd.version} was pushed to the workers by weight transfer ({cmd.weights_path!r:.80}); "
-                     "this worker was not in the trainer's group and cannot load it from a directory")
-            logger.error("worker %s: %s", self.worker_id, error)
-            self.link.send(policy_loaded=pb.PolicyLoaded(version=cmd.version, ok=False, error=error, seconds=0.0))
-            return
-        if self.tasks:
-            logger.warning("worker %s: cancelling %d running task(s) before loading version %d",
-                           self.worker_id, len(self.tasks), cmd.version)
-        # and the draft jobs the scheduler stopped just before (``_stop_draft`` does not wait for
-        # their aborts): a request still in the engine holds KV blocks, and the load's prefix-cache
-        # reset then fails (a CI run saw it, right after a bench's draft jobs were stopped)
-        await self._drop_all()
-        try:
-            await self.engine.load_weights(cmd.weights_path)
-        except CheckpointError as exc:  # refused before any weight changed: keep serving the old version
-            logger.error("worker %s: version %d refused, still serving %d: %s", self.worker_id, cmd.version,
-                         self.version, exc)
-            self.link.send(policy_loaded=pb.PolicyLoaded(version=cmd.version, ok=False, error=str(exc)[:500],
-                                                     seconds=time.monotonic() - started))
-            return
-        except Exception as exc:
-            logger.exception("worker %s: loading %s failed; its weights are now unknown", self.worker_id, cmd.weights_path)
-            self.version = -1
-            self.link.send(policy_loaded=pb.PolicyLoaded(version=cmd.version, ok=False,
-                                                         error=str(exc)[:500] or type(exc).__name__,
-                                                         seconds=time.monotonic() - started, weights_unknown=True))
-            self._check_engine()
-            return
-        self.version = cmd.version
-        self.link.send(policy_loaded=pb.PolicyLoaded(version=cmd.version, ok=True, seconds=time.monotonic() - started))
-
-    async def _control(self, call: pb.ControlCall) -> None:
-        """Run one engine control call (vLLM's weight transfer, prefix-cache reset) and answer
-        it. Calls run one at a time, in the order they came. ``start_weight_update`` leaves
-        the weights unknown (version -1: vLLM rebuilds the layers as they arrive) until
-        ``finish_weight_update`` succeeds and sets the version the scheduler gave it (an
-        ``abort_weight_update`` leaves them unknown); ``sleep`` drops what runs first, and at
-        level 2 (weights discarded) leaves the weights unknown too."""
-        async with self._control_lock:
-            op = _CONTROL_OPS.get(call.op)
-            try:
-                if op is None:
-                    raise ValueError(f"op: unknown control operation {call.op}")
-                args = json.loads(call.json or "{}")
-                if not isinstance(args, dict):
-                    raise TypeError("json: must be a JSON object")
-                if op in ("start_weight_update", "sleep"):
-                    await self._drop_all()  # no generation spans the weights' change or the sleep (none should run)
-                if op == "start_weight_update" or (op == "sleep" and args.get("level") == 2):
-                    self.version = -1  # weights in flux, or discarded (sleep level 2): none serves until an update
-                result = await self.engine.control(op, args)
-                if op == "finish_weight_update":
-                    self.version = call.policy_version
-            except Exception as exc:
-                logger.error("worker %s: %s failed: %s", self.worker_id, op or call.op, exc)
-                self.link.send(control_result=pb.ControlResult(call_id=call.call_id, ok=False,
-                                                           error=str(exc)[:500] or type(exc).__name__))
-                self._check_engine()
-                return
-            self.link.send(control_result=pb.ControlResult(call_id=call.call_id, ok=True, json=json.dumps(result or {})))
 
     # ------------------------------------------------------------ generation --
 
@@ -300,7 +224,7 @@ class WorkerAgent:
         key = a.request_key
         before = cv.completion_from_pb(a.resume) if a.HasField("resume") else None  # moved here: go on from it
         last: Yielded | None = None  # the latest progress output, as yielded: what a stop sends
-        loaded = self.version  # the weights that generate it (stamped on the completion)
+        loaded = self.weights.version  # the weights that generate it (stamped on the completion)
         prompt: tuple[int, ...] = ()
         try:
             prompt = tuple(a.prompt_token_ids[:])  # a slice first: one C loop, not one call per token
@@ -327,8 +251,8 @@ class WorkerAgent:
                         self.link.report_progress(key, done_before + len(out.token_ids))
             if final is None or final.finish_reason is None:  # (a final output has its finish reason)
                 raise RuntimeError("engine ended without a final output")
-            if self.version != loaded:
-                raise RuntimeError(f"the weights changed from version {loaded} to {self.version} during generation")
+            if self.weights.version != loaded:
+                raise RuntimeError(f"the weights changed from version {loaded} to {self.weights.version} during generation")
             ids, logprobs, text, provenance = joined(before, final)
             c = Completion(a.step_id, a.prompt_id, a.sample_index, ids, logprobs, text,
                            final.finish_reason, loaded, self.worker_id, len(prompt), provenance,
@@ -347,21 +271,21 @@ class WorkerAgent:
             self.link.forget_progress(key)
             spent = await self.engine.abort(key)
             if key in self._keep_partial:  # stopped to move: send what it made, made by one policy version
-                if self.version == loaded:
+                if self.weights.version == loaded:
                     sent = None if last is None else last.frozen()
                     made = partial(a.step_id, a.prompt_id, a.sample_index, before, sent, loaded, self.worker_id,
                                    len(prompt), spent)
                     self.link.send(aborted=pb.Aborted(request_key=key, reason="moved", partial=cv.completion_to_pb(made)))
                 else:
                     self.link.send(aborted=pb.Aborted(request_key=key, reason=f"stopped to move, but the weights changed "
-                                                  f"from version {loaded} to {self.version} during generation"))
+                                                  f"from version {loaded} to {self.weights.version} during generation"))
             raise
         except Exception as exc:
             logger.exception("request %s failed", key)
             self.link.forget_progress(key)
             self._untrack(key)
             self.link.send(aborted=pb.Aborted(request_key=key, reason=(f"{where}: {exc}" if where else str(exc))[:500]))
-            self._check_engine()
+            self.check_engine()
 
     async def _remember(self, prompt: tuple[int, ...], c: Completion, step_id: str,
                         adapter: tuple[str, int] | None = None) -> None:
@@ -388,7 +312,7 @@ class WorkerAgent:
             await self.engine.abort(key)
         except Exception:
             logger.exception("draft job %s failed", job.job_id)
-            self._check_engine()
+            self.check_engine()
         finally:
             self.draft_seconds += time.monotonic() - started
             self.tasks.pop(key, None)

@@ -33,7 +33,7 @@ async def start_http(agent: WorkerAgent, port: int) -> uvicorn.Server:
 
     @app.get("/healthz")
     def healthz() -> dict:
-        return {"ok": True, "connected": agent.link.connected.is_set(), "policy_version": agent.version}
+        return {"ok": True, "connected": agent.link.connected.is_set(), "policy_version": agent.weights.version}
 
     @app.get("/metrics")
     def metrics() -> Response:

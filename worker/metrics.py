@@ -93,7 +93,7 @@ class WorkerMetrics(Collector):
             family(_SPECS["bubblespec_worker_requests_running"], [((), len(tasks) - drafts)]),
             family(_SPECS["bubblespec_worker_draft_jobs_running"], [((), drafts)]),
             family(_SPECS["bubblespec_worker_draft_job_seconds_total"], [((), a.draft_seconds)]),
-            family(_SPECS["bubblespec_worker_policy_version"], [((), a.version)]),
+            family(_SPECS["bubblespec_worker_policy_version"], [((), a.weights.version)]),
             family(_SPECS["bubblespec_worker_tokens_per_second"], [((), _tokens_per_second(a))]),
         )
         if a.draft_token_seconds is not None:

@@ -160,7 +160,7 @@ async def test_skyrl_weight_sync_through_collective_rpc_inside_a_level_2_sleep()
             assert dict(e.calls)["update_weights"] == {"update_info": {**METADATA, "packed": True}}
         assert s.core.version == 1 and s.core.weights_path == "weight-transfer:1"
         assert out["wake_kv_cache"] == [{"status": "awake", "tags": ["kv_cache"]}]
-        assert [a.version for a in agents] == [1, 1]
+        assert [a.weights.version for a in agents] == [1, 1]
         assert out["completion"]["choices"][0]["finish_reason"] in ("length", "stop")  # requests run again
         # the methods SkyRL's weight sync does not use with a remote server are refused by name
         assert out["ipc"]["status"] == 400 and "'update_weights_ipc' is not served" in out["ipc"]["message"]
@@ -180,7 +180,7 @@ async def test_a_skyrl_trainer_killed_mid_transfer_is_rolled_back_at_the_deadlin
     try:
         line = await asyncio.wait_for(trainer.stdout.readline(), 60)
         assert json.loads(line) == {"started": True}, (await trainer.stderr.read()).decode()[-2000:]
-        assert s.service.transfer.updating == 1 and [a.version for a in agents] == [-1, -1]
+        assert s.service.transfer.updating == 1 and [a.weights.version for a in agents] == [-1, -1]
         os.kill(trainer.pid, signal.SIGKILL)  # the trainer dies between start and finish
         await trainer.wait()
         await wait_until(lambda: failed, timeout=15, what="the deadline's rollback")
@@ -198,7 +198,7 @@ async def test_a_skyrl_trainer_killed_mid_transfer_is_rolled_back_at_the_deadlin
                                ("/finish_weight_update", {"weight_version": "after-rollback"})):
                 r = await http.post(path, json=body)
                 assert r.status_code == 200, (path, r.text)
-            assert s.core.version == 1 and [a.version for a in agents] == [1, 1]
+            assert s.core.version == 1 and [a.weights.version for a in agents] == [1, 1]
             r = await http.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, "temperature": 0.0})
             assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("length", "stop"), r.text
     finally:

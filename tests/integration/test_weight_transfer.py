@@ -396,7 +396,7 @@ async def test_the_worker_agent_answers_control_calls_and_refuses_a_transferred_
         task = asyncio.create_task(agent.run())
         await wait_until(lambda: "sim-0" in c.core.workers and c.core.workers["sim-0"].load_failed == 1,
                          what="sim-0 refused version 1")
-        assert agent.version == 0 and c.core.version == 1, "its old weights stay; it gets no work"
+        assert agent.weights.version == 0 and c.core.version == 1, "its old weights stay; it gets no work"
         assert (await c.post("/reset_prefix_cache")).json() == {"success": True}
         r = await c.post("/init_weight_transfer_engine", {"init_info": {**INIT, "world_size": 4}})
         refused(r, 500, "workers", "1 of 3", "worker sim-0: init_weight_transfer: the simulated engine has no weight transfer")
@@ -439,10 +439,10 @@ async def test_worker_agents_serve_the_transferred_version_only_after_finish():
         assert r.status_code == 200, r.text
         assert [e.calls[0][1]["init_info"]["rank_offset"] for e in engines] == [1, 3]
         assert (await http.post("/start_weight_update")).status_code == 200
-        assert [a.version for a in agents] == [-1, -1], "weights in flux between start and finish"
+        assert [a.weights.version for a in agents] == [-1, -1], "weights in flux between start and finish"
         assert (await http.post("/update_weights", json={"update_info": UPDATE})).status_code == 200
         assert (await http.post("/finish_weight_update", json={})).status_code == 200
-        assert [a.version for a in agents] == [1, 1] and s.core.version == 1
+        assert [a.weights.version for a in agents] == [1, 1] and s.core.version == 1
         assert [op for op, _ in engines[0].calls] == ["init_weight_transfer", "start_weight_update", "update_weights",
                                                       "finish_weight_update"]
         async with AsyncRolloutClient(f"127.0.0.1:{s.grpc_port}", timeout_seconds=10) as client:

@@ -180,11 +180,11 @@ async def test_a_load_right_after_a_stop_waits_for_the_stopped_jobs_abort() -> N
     agent = WorkerAgent(WorkerSettings(worker_id="w", policy_version=3), engine, MemoryStore())  # type: ignore[arg-type]
     await asyncio.wait_for(_stop_when_generating(agent, engine, "d1"), 5)
     assert not agent.tasks and agent._stopped_jobs  # stopped, its abort not yet done
-    load = asyncio.create_task(agent._load_policy(pb.LoadPolicy(version=4, weights_path="/w4")))
+    load = asyncio.create_task(agent.weights.load_policy(pb.LoadPolicy(version=4, weights_path="/w4")))
     await asyncio.sleep(0.05)
     assert not load.done()  # the load waits for the abort
     engine.release.set()
     await asyncio.wait_for(load, 5)
-    assert engine.events[-1] == "load /w4" and agent.version == 4
+    assert engine.events[-1] == "load /w4" and agent.weights.version == 4
     loaded = [m.policy_loaded for m in sent(agent) if m.WhichOneof("kind") == "policy_loaded"]
     assert [(m.version, m.ok) for m in loaded] == [(4, True)]

@@ -47,7 +47,7 @@ async def _sigterm(server, url: str) -> list[str]:
 
 
 async def test_the_worker_http_server_leaves_sigterm_to_the_worker():
-    agent = SimpleNamespace(link=SimpleNamespace(connected=asyncio.Event()), version=3)
+    agent = SimpleNamespace(link=SimpleNamespace(connected=asyncio.Event()), weights=SimpleNamespace(version=3))
     server = await start_http(agent, 0)
     while not server.started:
         await asyncio.sleep(0.01)

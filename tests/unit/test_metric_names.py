@@ -118,7 +118,7 @@ class FakeAgent:
         self.spec_tokens = {"future": [10, 7], "suffix": [4, 3]}
         self.draft_token_seconds = 3.0e-5
         self.drafted_request_seconds = 2.8e-5
-        self.version = 2
+        self.weights = SimpleNamespace(version=2)
         self.tokens_window: list[tuple[float, int]] = []
         self.link = SimpleNamespace(connected=asyncio.Event())
         self.store = store

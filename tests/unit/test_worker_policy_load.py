@@ -44,11 +44,11 @@ def sent(agent: WorkerAgent) -> list[pb.WorkerMessage]:
                                             (RuntimeError("reload failed half way"), True)])
 async def test_failed_load_reports_why_and_whether_the_old_weights_still_serve(error, unknown):
     agent = WorkerAgent(WorkerSettings(worker_id="w", policy_version=3), FakeEngine(error))
-    await agent._load_policy(pb.LoadPolicy(version=4, weights_path="/w4"))
+    await agent.weights.load_policy(pb.LoadPolicy(version=4, weights_path="/w4"))
     [msg] = [m.policy_loaded for m in sent(agent)]
     assert (msg.version, msg.ok, msg.weights_unknown) == (4, False, unknown)
     assert str(error) in msg.error
-    assert agent.version == (-1 if unknown else 3)
+    assert agent.weights.version == (-1 if unknown else 3)
 
 
 async def test_completion_carries_the_version_the_engine_loaded():
