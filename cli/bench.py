@@ -153,7 +153,7 @@ async def _run_arm(cluster, client, arm: Arm, prompts, weights, cfg: BenchConfig
 
     store = MemoryStore()
     for agent in cluster.agents:
-        agent.store = store
+        agent.runner.store = store
     cluster.scheduler.core.forget_history()
     rows, outputs = [], []
     sampling = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens, ignore_eos=cfg.ignore_eos)
@@ -305,7 +305,7 @@ async def run_bench(cluster, prompts: list[list], base_model: str, cfg: BenchCon
         for s in range(cfg.steps):  # the same weight sequence for every arm
             current = str(perturb_weights(current, Path(tmp) / f"w{s}", scale=cfg.update_scale, seed=cfg.seed + s))
             weights.append(current)
-        stores = [agent.store for agent in cluster.agents]
+        stores = [agent.runner.store for agent in cluster.agents]
         try:
             async with AsyncRolloutClient(cluster.target) as client:
                 for run in range(cfg.runs):
@@ -318,7 +318,7 @@ async def run_bench(cluster, prompts: list[list], base_model: str, cfg: BenchCon
                         rows += [{**r, "run": run + 1} for r in arm_rows]
         finally:
             for agent, store in zip(cluster.agents, stores):
-                agent.store = store
+                agent.runner.store = store
     # greedy: every run of every arm must give the first baseline run's tokens
     exact = {arm.name: all(outputs[run, arm.name] == outputs[0, "baseline"] for run in range(cfg.runs)) for arm in ARMS}
     per_run = [summarize([r for r in rows if r["run"] == run + 1], exact) for run in range(cfg.runs)]

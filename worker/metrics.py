@@ -24,7 +24,8 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from bubblespec.telemetry import Histogram, MetricSpec, family
-from bubblespec.worker.agent import DRAFT_PREFIX, WorkerAgent
+from bubblespec.worker.agent import WorkerAgent
+from bubblespec.worker.runner import DRAFT_PREFIX, TOKENS_WINDOW_SECONDS
 
 __all__ = ["DRAFT_STORE_OP_BUCKETS", "WORKER_METRICS", "MetricSpec", "WorkerMetrics", "render"]
 
@@ -66,7 +67,6 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
 _SPECS = {s.name: s for s in WORKER_METRICS}
 
 DRAFT_STORE_OP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-_TOKENS_WINDOW_SECONDS = 5.0  # the agent's heartbeat window
 
 
 class WorkerMetrics(Collector):
@@ -85,24 +85,25 @@ class WorkerMetrics(Collector):
         a = self._agent()
         if a is None:
             return
-        tasks = list(a.tasks)  # one C-level copy: scrapes run on a thread, the loop mutates
+        r = a.runner
+        tasks = list(r.tasks)  # one C-level copy: scrapes run on a thread, the loop mutates
         drafts = sum(1 for key in tasks if key.startswith(DRAFT_PREFIX))
         yield from (
             family(_SPECS["bubblespec_worker_info"], [((a.worker_id,), 1)]),
             family(_SPECS["bubblespec_worker_connected"], [((), 1 if a.link.connected.is_set() else 0)]),
             family(_SPECS["bubblespec_worker_requests_running"], [((), len(tasks) - drafts)]),
             family(_SPECS["bubblespec_worker_draft_jobs_running"], [((), drafts)]),
-            family(_SPECS["bubblespec_worker_draft_job_seconds_total"], [((), a.draft_seconds)]),
+            family(_SPECS["bubblespec_worker_draft_job_seconds_total"], [((), r.draft_seconds)]),
             family(_SPECS["bubblespec_worker_policy_version"], [((), a.weights.version)]),
-            family(_SPECS["bubblespec_worker_tokens_per_second"], [((), _tokens_per_second(a))]),
+            family(_SPECS["bubblespec_worker_tokens_per_second"], [((), _tokens_per_second(r.tokens_window))]),
         )
-        if a.draft_token_seconds is not None:
-            yield family(_SPECS["bubblespec_worker_draft_token_seconds"], [((), a.draft_token_seconds)])
-            yield family(_SPECS["bubblespec_worker_drafted_request_seconds"], [((), a.drafted_request_seconds)])
-        spec = sorted(a.spec_tokens.items())
+        if r.draft_token_seconds is not None:
+            yield family(_SPECS["bubblespec_worker_draft_token_seconds"], [((), r.draft_token_seconds)])
+            yield family(_SPECS["bubblespec_worker_drafted_request_seconds"], [((), r.drafted_request_seconds)])
+        spec = sorted(r.spec_tokens.items())
         yield family(_SPECS["bubblespec_worker_spec_drafted_tokens_total"], [((src,), v[0]) for src, v in spec])
         yield family(_SPECS["bubblespec_worker_spec_accepted_tokens_total"], [((src,), v[1]) for src, v in spec])
-        yield from self._collect_store(a.store)
+        yield from self._collect_store(r.store)
 
     def _collect_store(self, store: Any) -> Iterator[Metric]:
         if store is None:
@@ -127,10 +128,10 @@ class WorkerMetrics(Collector):
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
-def _tokens_per_second(agent: WorkerAgent) -> float:
+def _tokens_per_second(tokens_window: list[tuple[float, int]]) -> float:
     now = time.monotonic()
-    window = list(agent.tokens_window)
-    return sum(n for t, n in window if now - t < _TOKENS_WINDOW_SECONDS) / _TOKENS_WINDOW_SECONDS
+    window = list(tokens_window)
+    return sum(n for t, n in window if now - t < TOKENS_WINDOW_SECONDS) / TOKENS_WINDOW_SECONDS
 
 
 _EXPORTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -574,7 +574,7 @@ async def redis_case(redis_url: str, row_id: str, poison: Callable[[object, str,
             with pytest.raises(StoreUnavailable, match="WRONGTYPE"):
                 await store.get_drafts([pk])
             assert await resilient.get_drafts([pk]) == {pk: []}  # absorbed: the caller sees no drafts
-            assert await agent._drafts_for(prompt) == ()
+            assert await agent.runner.drafts_for(prompt) == ()
             return
         if corrupt_lengths:
             assert await store.get_lengths([pk]) == {pk: [3]}
@@ -582,7 +582,7 @@ async def redis_case(redis_url: str, row_id: str, poison: Callable[[object, str,
         else:
             assert await store.get_drafts([pk]) == {pk: [good]}
             assert await resilient.get_drafts([pk]) == {pk: [good]}
-            assert await agent._drafts_for(prompt) == (("history", good.tokens),)
+            assert await agent.runner.drafts_for(prompt) == (("history", good.tokens),)
         assert store.stats.corrupt_entries == 1 and store.stats.errors == 0
         assert resilient.stats.corrupt_entries >= 1 and resilient.available
     finally:

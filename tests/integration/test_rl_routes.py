@@ -195,12 +195,12 @@ async def test_a_caller_that_disconnects_mid_stream_frees_its_worker(cluster, ti
     (nothing runs on for nobody) and the next call is served as usual."""
     cancelled: list[str] = []
     for agent in cluster.agents:  # what the workers are told to stop, on the way to their engines
-        agent._cancel = _recording(agent._cancel, cancelled)
+        agent.runner.cancel = _recording(agent.runner.cancel, cancelled)
     try:
         await _disconnect_mid_stream(cluster, tiny_model, cancelled)
     finally:
         for agent in cluster.agents:
-            del agent._cancel  # the class's own again
+            del agent.runner.cancel  # the class's own again
 
 
 async def _disconnect_mid_stream(cluster, tiny_model, cancelled: list[str]) -> None:

@@ -193,7 +193,7 @@ async def test_the_agent_refuses_a_bad_batch_entry_by_its_index_and_runs_the_oth
     assert got["s/p2/0"].WhichOneof("kind") == "aborted"
     assert got["s/p2/0"].aborted.reason == "assigns[2]: prompt_token_ids is empty"
     assert all(got[f"s/p{i}/0"].WhichOneof("kind") == "completion" for i in (0, 1, 3))
-    assert not agent.tasks
+    assert not agent.runner.tasks
 
 
 async def test_the_worker_agent_gets_batches_from_the_real_scheduler_and_completes_every_request():

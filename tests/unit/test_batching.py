@@ -1,5 +1,5 @@
 """Batched completions on the control plane: real scheduler on loopback gRPC, a scripted worker
-on the real WorkerLink stream, the SDK's collector, the worker agent's outgoing stream, and the
+on the real WorkerLink stream, the SDK's collector, the worker link's outgoing stream, and the
 step journal on a real redis-server.
 
 - A worker may send several completions in one ``WorkerMessage.completions`` batch; each is

@@ -1,6 +1,6 @@
 """Fewer messages and less work per completion on the control plane, same results: real
 scheduler on loopback gRPC with its step journal on a real redis-server, a scripted worker on the
-real WorkerLink stream, and the worker agent's outgoing stream.
+real WorkerLink stream, and the worker link's outgoing stream.
 
 - The agent sends the completions that end within ``completion_batch_seconds`` of the last
   completion message it sent in one ``completions`` batch, in order; a full batch goes at once,
@@ -53,9 +53,9 @@ def _shape(msg: pb.WorkerMessage) -> list[str]:
 
 
 def _running(agent: WorkerAgent, key: str) -> asyncio.Task:
-    """A request that runs on ``agent`` until cancelled (``agent._untrack(key)`` ends it)."""
+    """A request that runs on ``agent`` until cancelled (``agent.runner._untrack(key)`` ends it)."""
     task = asyncio.create_task(asyncio.Event().wait())
-    agent.tasks[key] = task
+    agent.runner.tasks[key] = task
     return task
 
 
@@ -93,7 +93,7 @@ async def test_the_last_running_request_ending_sends_the_waiting_batch_at_once()
         await asyncio.sleep(0)
     assert not batch.done()  # held for the 600 s gap while "last" may still end and join
     agent.link.outbox.put_nowait(_worker_completion("k2"))
-    agent._untrack("last")  # the last request's completion is queued: nothing more can come
+    agent.runner._untrack("last")  # the last request's completion is queued: nothing more can come
     assert _shape(await asyncio.wait_for(batch, 60)) == ["k1", "k2"]  # the bound only ends a hang
     agent.link.outbox.put_nowait(_worker_completion("k3"))  # no request running: not held at all
     assert _shape(await asyncio.wait_for(anext(stream), 60)) == ["k3"]

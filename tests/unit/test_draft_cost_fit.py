@@ -179,10 +179,10 @@ def test_a_set_cost_is_not_measured_and_measuring_is_the_workers_default() -> No
 def test_the_worker_reads_its_engines_figure_for_its_metric_and_survives_a_failed_read(monkeypatch) -> None:
     import asyncio
 
-    from bubblespec.worker import agent as agent_module
+    from bubblespec.worker import runner as runner_module
     from bubblespec.worker.agent import WorkerAgent
-    from bubblespec.worker.settings import WorkerSettings
     from bubblespec.worker.engine import EngineInfo
+    from bubblespec.worker.settings import WorkerSettings
 
     answers: list = [{"draft_token_seconds": 4.2e-5, "drafted_request_seconds": 2.8e-5, "source": "measured", "steps": 900},
                      RuntimeError("engine busy"), {"draft_token_seconds": 5.0e-5, "source": "measured", "steps": 1200}]
@@ -193,7 +193,7 @@ def test_the_worker_reads_its_engines_figure_for_its_metric_and_survives_a_faile
         info = EngineInfo("m", 64, 16, True)
 
         async def draft_cost(self) -> dict:
-            seen.append((agent.draft_token_seconds, agent.drafted_request_seconds))
+            seen.append((agent.runner.draft_token_seconds, agent.runner.drafted_request_seconds))
             if not answers:
                 done.set()
                 await asyncio.Event().wait()  # the last read hangs: the test has what it needs
@@ -205,11 +205,11 @@ def test_the_worker_reads_its_engines_figure_for_its_metric_and_survives_a_faile
     agent = WorkerAgent(WorkerSettings(worker_id="w"), Engine())
 
     async def run() -> None:
-        task = asyncio.create_task(agent._read_draft_cost())
+        task = asyncio.create_task(agent.runner.read_draft_cost())
         await asyncio.wait_for(done.wait(), 5)
         task.cancel()
 
-    monkeypatch.setattr(agent_module, "DRAFT_COST_SECONDS", 0.001)
+    monkeypatch.setattr(runner_module, "DRAFT_COST_SECONDS", 0.001)
     asyncio.run(run())
     # not read yet (no gauge); the failed read kept the figures; a reply without the row's figure reads 0
     assert seen == [(None, 0.0), (4.2e-5, 2.8e-5), (4.2e-5, 2.8e-5), (5.0e-5, 0.0)]

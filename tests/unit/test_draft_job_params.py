@@ -1,7 +1,7 @@
 """What the worker asks of vLLM per request. A draft job's request skips what only a completion
 needs: text and logprobs.
 
-Only its token ids become a draft (``WorkerAgent._run_draft``), so detokenizing every token and
+Only its token ids become a draft (``Runner._run_draft``), so detokenizing every token and
 building a logprob per token in the engine's frontend was work for nothing, on the same CPU as
 the worker's control loop. Stop strings still need the text, so they keep detokenization on.
 An assignment's progress comes every 16 tokens, a draft job's every token (``stream_tokens``)."""
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.common.types import FinishReason, Provenance, SamplingParams
-from bubblespec.worker.agent import ASSIGNMENT_STREAM_TOKENS, WorkerAgent
+from bubblespec.worker.agent import WorkerAgent
+from bubblespec.worker.runner import ASSIGNMENT_STREAM_TOKENS
 from bubblespec.worker.settings import WorkerSettings
 from bubblespec.worker.engine import EngineInfo, EngineOutput, EngineRequest, EngineSettings, VllmEngine
 
@@ -54,9 +55,9 @@ class RecordingEngine:
 async def test_the_agent_streams_assignments_by_16_tokens_and_draft_jobs_by_every_token():
     engine = RecordingEngine()
     agent = WorkerAgent(WorkerSettings(worker_id="w"), engine)  # type: ignore[arg-type]
-    await agent._run_assignment(pb.Assignment(request_key="s/p0/0", step_id="s", prompt_id="p0", prompt_token_ids=[5, 6],
+    await agent.runner._run_assignment(pb.Assignment(request_key="s/p0/0", step_id="s", prompt_id="p0", prompt_token_ids=[5, 6],
                                               sampling=pb.SamplingParams(max_tokens=8), use_drafts=False, group_size=1))
-    await agent._run_draft(pb.DraftJob(job_id="d1", prompt_token_ids=[5, 6], sampling=pb.SamplingParams(max_tokens=8)))
+    await agent.runner._run_draft(pb.DraftJob(job_id="d1", prompt_token_ids=[5, 6], sampling=pb.SamplingParams(max_tokens=8)))
     assert [(r.key, r.draft_job, r.stream_tokens) for r in engine.requests] == [
         ("s/p0/0", False, ASSIGNMENT_STREAM_TOKENS), ("draft:d1", True, 1)]
     assert ASSIGNMENT_STREAM_TOKENS == 16

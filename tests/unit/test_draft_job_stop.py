@@ -1,4 +1,4 @@
-"""A stopped draft job (``WorkerAgent._stop_draft``, ``_run_draft``): the stop does not hold
+"""A stopped draft job (``Runner.stop_draft``, ``_run_draft``): the stop does not hold
 the messages behind it, and the job's partial draft is stored, then reported, after its abort.
 
 A worker stops up to its whole width of jobs at a step's start. Each abort waits for the
@@ -90,15 +90,15 @@ async def test_a_stopped_job_aborts_then_stores_and_reports_its_partial_draft() 
             break
         await asyncio.sleep(0.01)
     assert engine.events == ["abort draft:d1 begins"] and _results(agent) == []
-    assert "draft:d1" not in agent.tasks
+    assert "draft:d1" not in agent.runner.tasks
     engine.release.set()
-    await asyncio.wait_for(agent._drop_all(), 5)  # waits for the stopped job's cleanup
+    await asyncio.wait_for(agent.runner.drop_all(), 5)  # waits for the stopped job's cleanup
     assert engine.events == ["abort draft:d1 begins", "abort draft:d1 ends"]
     [result] = _results(agent)
     assert (result.job_id, result.tokens, result.finished) == ("d1", 3, False)
     [entry] = (await store.get_drafts([prompt_key(PROMPT)]))[prompt_key(PROMPT)]
     assert entry.tokens == (11, 12, 13) and entry.policy_version == 3
-    assert agent.draft_tokens == {}
+    assert agent.runner.draft_tokens == {}
 
 
 async def test_stops_do_not_wait_for_each_others_aborts() -> None:
@@ -110,7 +110,7 @@ async def test_stops_do_not_wait_for_each_others_aborts() -> None:
     await asyncio.sleep(0.05)
     assert sorted(e for e in engine.events) == [f"abort draft:{j} begins" for j in ("d1", "d2", "d3")]
     engine.release.set()
-    await asyncio.wait_for(agent._drop_all(), 5)
+    await asyncio.wait_for(agent.runner.drop_all(), 5)
     assert sum(e.endswith("ends") for e in engine.events) == 3
     assert sorted((r.job_id, r.tokens) for r in _results(agent)) == [("d1", 3), ("d2", 3), ("d3", 3)]
 
@@ -120,7 +120,7 @@ async def test_a_draft_the_store_refused_is_reported_as_no_tokens() -> None:
     engine.release.set()
     agent = WorkerAgent(WorkerSettings(worker_id="w"), engine, FailingStore())  # type: ignore[arg-type]
     await asyncio.wait_for(_stop_when_generating(agent, engine, "d1"), 5)
-    await asyncio.wait_for(agent._drop_all(), 5)
+    await asyncio.wait_for(agent.runner.drop_all(), 5)
     [result] = _results(agent)
     assert (result.tokens, result.finished) == (0, False)  # not counted as a draft the store does not hold
     assert engine.events == ["abort draft:d1 begins", "abort draft:d1 ends"]
@@ -131,7 +131,7 @@ async def _report_of_one_stopped_job(store) -> pb.DraftResult:
     engine.release.set()
     agent = WorkerAgent(WorkerSettings(worker_id="w"), engine, store)  # type: ignore[arg-type]
     await asyncio.wait_for(_stop_when_generating(agent, engine, "d1"), 5)
-    await asyncio.wait_for(agent._drop_all(), 5)
+    await asyncio.wait_for(agent.runner.drop_all(), 5)
     [result] = _results(agent)
     return result
 
@@ -179,7 +179,7 @@ async def test_a_load_right_after_a_stop_waits_for_the_stopped_jobs_abort() -> N
     engine = LoadingEngine()
     agent = WorkerAgent(WorkerSettings(worker_id="w", policy_version=3), engine, MemoryStore())  # type: ignore[arg-type]
     await asyncio.wait_for(_stop_when_generating(agent, engine, "d1"), 5)
-    assert not agent.tasks and agent._stopped_jobs  # stopped, its abort not yet done
+    assert not agent.runner.tasks and agent.runner._stopped_jobs  # stopped, its abort not yet done
     load = asyncio.create_task(agent.weights.load_policy(pb.LoadPolicy(version=4, weights_path="/w4")))
     await asyncio.sleep(0.05)
     assert not load.done()  # the load waits for the abort

@@ -86,7 +86,7 @@ def sent(agent: WorkerAgent) -> list:
 
 async def test_agent_reports_an_aborted_generation_and_stays_while_the_engine_lives():
     agent = WorkerAgent(WorkerSettings(worker_id="w"), engine_with(FakeLLM("abort")))
-    await agent._run_assignment(assignment())
+    await agent.runner._run_assignment(assignment())
     msgs = list(agent.link.outbox._queue)  # type: ignore[attr-defined]
     assert sent(agent) == ["aborted"]
     assert "finish reason 'abort'" in msgs[0].aborted.reason and msgs[0].aborted.request_key == "s/p0/0"
@@ -95,7 +95,7 @@ async def test_agent_reports_an_aborted_generation_and_stays_while_the_engine_li
 
 async def test_agent_leaves_when_the_engine_died():
     agent = WorkerAgent(WorkerSettings(worker_id="w"), engine_with(FakeLLM("abort", errored=True)))
-    await agent._run_assignment(assignment())
+    await agent.runner._run_assignment(assignment())
     assert sent(agent) == ["aborted", None], "Aborted first, then the stream closes"
     assert isinstance(agent.failed, RuntimeError) and agent.link.stopping
     with pytest.raises(RuntimeError, match="engine died"):

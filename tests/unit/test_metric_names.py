@@ -111,17 +111,15 @@ class _Journal:
 
 
 class FakeAgent:
+    """What the worker's exporter reads of a ``WorkerAgent``: its link, runner and weights."""
+
     def __init__(self, store) -> None:
         self.worker_id = "w0"
-        self.tasks = {"s/p/0": None, "draft:d1": None}
-        self.draft_seconds = 1.5
-        self.spec_tokens = {"future": [10, 7], "suffix": [4, 3]}
-        self.draft_token_seconds = 3.0e-5
-        self.drafted_request_seconds = 2.8e-5
+        self.runner = SimpleNamespace(tasks={"s/p/0": None, "draft:d1": None}, draft_seconds=1.5,
+                                      spec_tokens={"future": [10, 7], "suffix": [4, 3]}, draft_token_seconds=3.0e-5,
+                                      drafted_request_seconds=2.8e-5, tokens_window=[], store=store)
         self.weights = SimpleNamespace(version=2)
-        self.tokens_window: list[tuple[float, int]] = []
         self.link = SimpleNamespace(connected=asyncio.Event())
-        self.store = store
 
 
 def _families(collector) -> list:
@@ -329,7 +327,7 @@ def test_worker_exporter_reads_agent_and_store():
     assert by_source[("bubblespec_worker_spec_accepted_tokens_total", "future")] == 7
     assert samples["bubblespec_worker_draft_token_seconds"] == 3.0e-5
     assert samples["bubblespec_worker_drafted_request_seconds"] == 2.8e-5
-    agent.draft_token_seconds = None  # an engine without speculation, or not read yet: no gauge
+    agent.runner.draft_token_seconds = None  # an engine without speculation, or not read yet: no gauge
     names = {f.name for f in _families(exporter)}
     assert "bubblespec_worker_draft_token_seconds" not in names and "bubblespec_worker_drafted_request_seconds" not in names
 

@@ -79,10 +79,10 @@ async def test_a_request_whose_seed_a_draft_job_could_have_gets_no_draft_jobs_dr
     await store.put_draft(prompt_key(prompt), DraftEntry((1, 2), 0, "s", DraftSource.FUTURE, 1.0))
     await store.put_draft(prompt_key(prompt), DraftEntry((3, 4), 0, "s", DraftSource.HISTORY, 2.0))
     agent = WorkerAgent(WorkerSettings(), SimpleNamespace(info=None), store)
-    everything = {src for src, _ in await agent._drafts_for(prompt, 7)}
+    everything = {src for src, _ in await agent.runner.drafts_for(prompt, 7)}
     assert everything == {"future", "history"}
     for seed in (DRAFT_SEEDS[0], DRAFT_SEEDS[1] - 1):
-        assert {src for src, _ in await agent._drafts_for(prompt, seed)} == {"history"}
+        assert {src for src, _ in await agent.runner.drafts_for(prompt, seed)} == {"history"}
     await asyncio.sleep(0)
 
 

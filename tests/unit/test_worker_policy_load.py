@@ -55,7 +55,7 @@ async def test_completion_carries_the_version_the_engine_loaded():
     agent = WorkerAgent(WorkerSettings(worker_id="w", policy_version=5), FakeEngine(), store=None)
     assign = pb.Assignment(request_key="s/p/0", step_id="s", prompt_id="p", sample_index=0, prompt_token_ids=[1, 2],
                            policy_version=4, sampling=pb.SamplingParams(max_tokens=2))
-    await agent._run_assignment(assign)
+    await agent.runner._run_assignment(assign)
     [msg] = [m for m in sent(agent) if m.WhichOneof("kind") == "completion"]
     assert msg.completion.completion.policy_version == 5  # what it ran, not what was asked: the scheduler judges
 

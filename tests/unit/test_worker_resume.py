@@ -86,7 +86,7 @@ async def test_a_request_stopped_to_move_sends_what_it_generated() -> None:
     assert (p.step_id, p.prompt_id, p.sample_index, p.prompt_tokens) == ("s", "p0", 1, 3)
     # the engine counted 7 accepted draft tokens, one of them in a pass after the last output: kept to the 6 sent
     assert p.provenance.accepted() == 6 and p.provenance.forward_passes + p.provenance.accepted() == 6
-    assert "s/p0/1" not in agent.tasks
+    assert "s/p0/1" not in agent.runner.tasks
 
 
 async def test_a_plain_abort_sends_nothing_and_a_stop_for_a_finished_request_is_a_no_op() -> None:
@@ -97,7 +97,7 @@ async def test_a_plain_abort_sends_nothing_and_a_stop_for_a_finished_request_is_
     await agent.handle(pb.SchedulerMessage(abort=pb.Abort(request_key="s/p0/1")))
     assert not _sent(agent, "aborted")
     await agent.handle(pb.SchedulerMessage(abort=pb.Abort(request_key="s/p0/9", keep_partial=True)))
-    assert not _sent(agent, "aborted") and not agent._keep_partial
+    assert not _sent(agent, "aborted") and not agent.runner._keep_partial
 
 
 async def test_a_moved_request_goes_on_from_its_partial_and_returns_the_whole_response() -> None:
@@ -109,7 +109,7 @@ async def test_a_moved_request_goes_on_from_its_partial_and_returns_the_whole_re
     before = Completion("s", "p0", 1, (10, 11, 12, 13, 14, 15), (-0.25,) * 6, "abcdef", FinishReason.STOP, 0, "w",
                         3, Provenance(3, (SourceStats("future", 5, 3),)))
     await agent.handle(_assign(before))
-    await asyncio.wait_for(agent.tasks["s/p0/1"], 5)
+    await asyncio.wait_for(agent.runner.tasks["s/p0/1"], 5)
     (request,) = engine.requests
     assert request.prompt_token_ids == PROMPT + before.token_ids
     assert request.sampling.max_tokens == 10 and request.sampling.seed == resume_seed(7, 6) != 7
@@ -127,7 +127,7 @@ async def test_a_partial_as_long_as_the_request_may_be_is_refused_naming_resume(
     agent = WorkerAgent(WorkerSettings(worker_id="w2"), engine, MemoryStore())  # type: ignore[arg-type]
     before = Completion("s", "p0", 1, tuple(range(16)), (), "", FinishReason.STOP, 0)
     await agent.handle(_assign(before))
-    await asyncio.wait_for(agent.tasks["s/p0/1"], 5)
+    await asyncio.wait_for(agent.runner.tasks["s/p0/1"], 5)
     (aborted,) = _sent(agent, "aborted")
     assert "resume" in aborted.reason and not aborted.HasField("partial") and not engine.requests
 
