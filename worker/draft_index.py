@@ -292,6 +292,10 @@ class RequestDrafter:
         self._suffix = SuffixIndex(suffix, prompt_tokens) if suffix is not None and suffix.enabled else None
         self._suffix_seen = 0  # generated tokens already in the suffix index
         self._suffix_prompt = len(prompt_tokens)
+        self._added = 0  # candidates add_candidate added
+        self.output: list[int] = []
+        """The request's output as the batch last showed it (``keep``): its response once it
+        finishes, a sibling draft for its group's later samples (``worker/groups.py``)."""
 
     def observe(self, num_sampled: int) -> None:
         """Account for the engine step that just sampled ``num_sampled`` tokens."""
@@ -326,6 +330,29 @@ class RequestDrafter:
     def suffix_accept(self) -> float:
         """Acceptance average of self-suffix drafts."""
         return self.accepts["suffix"]
+
+    def keep(self, generated: np.ndarray) -> None:
+        """Bring ``output`` up to ``generated`` (the new tokens only; should the output ever be
+        shorter than what was kept, from the start)."""
+        if len(generated) < len(self.output):
+            self.output = []
+        if len(generated) > len(self.output):
+            self.output.extend(generated[len(self.output):].tolist())
+
+    MAX_ADDED = 16
+    """Candidates ``add_candidate`` adds at most (a large group's later finishers add nothing)."""
+
+    def add_candidate(self, candidate: Candidate) -> None:
+        """A candidate that stays, after those given at the start (a finished sibling's
+        response): it goes before the live siblings, and a search may find it."""
+        if self._added >= self.MAX_ADDED:
+            return
+        self._added += 1
+        self.candidates.insert(self._static, candidate)
+        if self._cursor is not None and self._cursor[0] >= self._static:
+            self._cursor = (self._cursor[0] + 1, self._cursor[1])
+        self._static += 1
+        self._missed = -1
 
     def set_siblings(self, siblings: list[Candidate]) -> None:
         """Replace the live sibling candidates (the static ones come first and stay)."""

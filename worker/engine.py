@@ -387,6 +387,7 @@ class VllmEngine:
         self.settings = settings
         self.info = EngineInfo(settings.model, settings.max_model_len, 0, False, settings.logprobs_mode)
         self._llm: AsyncLLM | None = None
+        self._weights = 0  # weights loaded since the start: a finished sample drafts only for its own (worker/groups.py)
         self._tokenizer: TokenizerLike | None = None
         self._expected: Checkpoint | None = None  # the start checkpoint: what a new policy must match
         self._stats = KeyedCalls(self._pop_stats)  # the proposer's per-request stats, one RPC for many requests
@@ -492,6 +493,7 @@ class VllmEngine:
             output_kind=RequestOutputKind.DELTA, stream_interval=request.stream_tokens if request.stream_tokens > 1 else None,
             extra_args={"bubblespec": {"key": request.key, "drafts": drafts, "enabled": request.use_drafts,
                                        "predicted": request.predicted_tokens, "job": request.draft_job,
+                                       "weights": self._weights,
                                        # drafts never cross adapters: siblings are rows of the same adapter version
                                        "adapter": "" if request.adapter is None else "{}@{}".format(*request.adapter)}},
         )
@@ -582,7 +584,8 @@ class VllmEngine:
         assert self._llm is not None, "engine not started"
         await asyncio.to_thread(check_checkpoint, path, self._expected)
         await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
-        if not await self._llm.reset_prefix_cache():
+        self._weights += 1
+        if not await self._reset_caches():
             raise RuntimeError(f"loaded {path!r} but could not reset the prefix cache (blocks still in use): "
                                "KV computed under the previous weights may remain")
 
@@ -608,17 +611,26 @@ class VllmEngine:
             await llm.update_weights(WeightTransferUpdateRequest(update_info=args.get("update_info") or {}))
         elif op == "finish_weight_update":
             await llm.finish_weight_update(args.get("weight_version"))
-            if not await llm.reset_prefix_cache():
+            self._weights += 1
+            if not await self._reset_caches():
                 raise RuntimeError("finished the weight update but could not reset the prefix cache (blocks still "
                                    "in use): KV computed under the previous weights may remain")
         elif op == "reset_prefix_cache":
-            done = await llm.reset_prefix_cache(bool(args.get("reset_running_requests")), bool(args.get("reset_external")))
-            return {"success": bool(done)}
+            return {"success": await self._reset_caches(bool(args.get("reset_running_requests")),
+                                                        bool(args.get("reset_external")))}
         elif op in ("sleep", "wake_up", "abort_weight_update"):
             return await _sleep_or_abort(llm, op, args)
         else:
             raise ValueError(f"op: unknown control operation {op!r:.40}")
         return {}
+
+    async def _reset_caches(self, running: bool = False, external: bool = False) -> bool:
+        """Drop the finished samples the proposer keeps as sibling drafts (``worker/groups.py``)
+        and the cached KV blocks (vLLM's ``reset_prefix_cache``); whether the KV blocks went."""
+        assert self._llm is not None, "engine not started"
+        if self.info.speculation:
+            await self._llm.collective_rpc("bubblespec_forget_samples")
+        return bool(await self._llm.reset_prefix_cache(running, external))
 
     async def shutdown(self) -> None:
         """Stop the engine processes. Off the event loop: vLLM waits for them (up to

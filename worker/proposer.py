@@ -50,6 +50,7 @@ import numpy as np
 
 from bubblespec.worker.draft_cost import DraftCostFit
 from bubblespec.worker.draft_index import Candidate, DraftLength, RequestDrafter, StepRate, SuffixRule
+from bubblespec.worker.groups import FinishedSamples
 from bubblespec.worker.tail_drafts import makespan_draft_tokens
 
 if TYPE_CHECKING:
@@ -142,6 +143,7 @@ class BubbleSpecProposer:
         self.errors = 0
         self.drafters: dict[str, RequestDrafter] = {}  # by vLLM request id
         self.finished: dict[str, dict] = {}  # stats by BubbleSpec key, until popped
+        self.samples = FinishedSamples()  # finished responses by group: sibling drafts for its later samples
         if vllm_config.device_config.device.type == "cpu" and extra.get("cpu_sampler_fix", True):
             install_cpu_sampler_fix()
 
@@ -198,6 +200,7 @@ class BubbleSpecProposer:
             if d is None or len(sampled) == 0:
                 continue
             d.observe(len(sampled))
+            d.keep(token_ids_cpu[i, d.prompt_len:int(num_tokens_no_spec[i])])
             siblings = [
                 Candidate("sibling", token_ids_cpu[r, d.prompt_len:int(num_tokens_no_spec[r])])
                 for r in groups[d.prompt_hash] if r != i
@@ -338,8 +341,11 @@ class BubbleSpecProposer:
         cands = [Candidate(src, _valid_prefix(np.frombuffer(raw, dtype="<u4").astype(np.int64), self.vocab_size))
                  for src, raw in extra.get("drafts", [])]
         prompt = tuple(state.prompt_token_ids or ())
-        # siblings are the rows with the same prompt under the same adapter version (worker/lora.py)
-        drafter = RequestDrafter(cands, self.rule, key=extra["key"], prompt_hash=hash((extra.get("adapter", ""), prompt)),
+        # siblings are the rows with the same prompt under the same adapter version (worker/lora.py) and the
+        # same weights (a finished one's response is kept for the group's later samples: worker/groups.py)
+        group = hash((extra.get("adapter", ""), extra.get("weights", 0), prompt))
+        cands += [Candidate("sibling", r) for r in self.samples.of(group)]
+        drafter = RequestDrafter(cands, self.rule, key=extra["key"], prompt_hash=group,
                                  prompt_len=len(prompt), suffix=self.suffix, prompt_tokens=prompt,
                                  predicted=float(extra.get("predicted") or 0.0), draft_job=bool(extra.get("job")),
                                  min_tokens=int(getattr(params, "min_tokens", 0) or 0))
@@ -348,11 +354,20 @@ class BubbleSpecProposer:
 
     def _retire(self, req_id: str) -> None:
         d = self.drafters.pop(req_id)
+        if d.output and self.samples.add(d.prompt_hash, np.asarray(d.output, dtype=np.int32)):
+            response = self.samples.of(d.prompt_hash)[-1]
+            for other in self.drafters.values():  # the group's running samples draft from it too
+                if other.prompt_hash == d.prompt_hash:
+                    other.add_candidate(Candidate("sibling", response))
         self.finished[d.key] = {
             "forward_passes": d.stats.forward_passes,
             "drafted": dict(d.stats.drafted),
             "accepted": dict(d.stats.accepted),
         }
+
+    def forget_samples(self) -> None:
+        """Drop the finished samples kept as sibling drafts (the engine's caches were reset)."""
+        self.samples = FinishedSamples(self.samples.max_tokens, self.samples.per_group)
 
     def pop_stats(self, keys: list[str]) -> dict[str, dict]:
         """Provenance of finished (or aborted) requests, by BubbleSpec key; forgotten after."""
@@ -396,6 +411,13 @@ class BubbleSpecWorkerExtension:
     def bubblespec_draft_cost(self) -> dict:
         drafter = getattr(self.model_runner, "drafter", None)
         return drafter.draft_cost() if isinstance(drafter, BubbleSpecProposer) else {}
+
+    def bubblespec_forget_samples(self) -> bool:
+        drafter = getattr(self.model_runner, "drafter", None)
+        if isinstance(drafter, BubbleSpecProposer):
+            drafter.forget_samples()
+            return True
+        return False
 
     def bubblespec_pop_stats(self, keys: list[str]) -> dict[str, dict]:
         drafter = getattr(self.model_runner, "drafter", None)

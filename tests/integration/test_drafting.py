@@ -182,3 +182,26 @@ async def test_busy_workers_draft_beside_their_requests_and_the_next_step_uses_i
     off = await client.generate("beside-b-off", ahead, sp, policy_version=v, drafts=False)
     assert [c.token_ids for c in on.completions] == [c.token_ids for c in off.completions]
     assert on.summary.provenance.accepted("future") > 0
+
+
+async def test_a_prompts_later_sample_drafts_from_its_finished_sibling_on_the_engine(cluster):
+    """Grouped drafts on a vLLM engine (worker/groups.py): the second call of a prompt, sent
+    after the first finished, drafts from the first's response (source ``sibling``) and returns
+    the same greedy tokens; after a cache reset it drafts nothing."""
+    from tests.support.exactness import check_provenance, run_engine
+
+    engine = cluster.engines[0]
+    prompt = token_prompts(1, seed=4242)
+    sp = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    await engine.control("reset_prefix_cache", {})
+    [first] = await run_engine(engine, prompt, sp, tag="group-first")
+    assert first.provenance.forward_passes == 64  # nothing to draft from yet
+    [second] = await run_engine(engine, prompt, sp, tag="group-second")
+    assert second.token_ids == first.token_ids
+    check_provenance([second], drafts_on=True, arm="group-second")
+    by_source = {s.source: s for s in second.provenance.sources}
+    assert by_source["sibling"].accepted_tokens >= 48, second.provenance
+    assert second.provenance.forward_passes <= 20
+    await engine.control("reset_prefix_cache", {})
+    [third] = await run_engine(engine, prompt, sp, tag="group-third")
+    assert third.token_ids == first.token_ids and third.provenance.forward_passes == 64

@@ -70,7 +70,7 @@ class FakeLLM:
         self.reloaded.append(kwargs["weights_path"])
         return [None]
 
-    async def reset_prefix_cache(self) -> bool:
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         return self.reset_ok
 
 
