@@ -135,7 +135,7 @@ async def _yields_at_once(cluster, client):
     agents = {ag.worker_id: ag for ag in cluster.agents}
     for _ in range(6000):  # a worker drafts in the bubble, and its draft has tokens to keep
         drafting = [w for w in core.workers.values() if w.drafts and not w.running
-                    and any(agents[w.hello.worker_id].draft_tokens.values())]
+                    and any(agents[w.hello.worker_id].runner.draft_tokens.values())]
         if drafting:
             break
         await asyncio.sleep(0.01)
@@ -172,7 +172,7 @@ async def test_busy_workers_draft_beside_their_requests_and_the_next_step_uses_i
     beside = []
     for _ in range(3000):  # a worker with requests running also runs the draft job, and it makes tokens
         beside = [w for w in core.workers.values() if w.running and w.drafts
-                  and any(agents[w.hello.worker_id].draft_tokens.values())]
+                  and any(agents[w.hello.worker_id].runner.draft_tokens.values())]
         if beside or step.done():
             break
         await asyncio.sleep(0.01)
