@@ -40,13 +40,23 @@ class WorkerAgent:
     writes the drafts and lengths it produces to the draft store (module docstring)."""
 
     def __init__(self, settings: WorkerSettings, engine: Engine, store: DraftStore | None = None):
-        self.settings = settings
+        self._settings = settings
         self.worker_id = settings.resolved_id()
         self.engine = engine
         self.failed: Exception | None = None  # set when the engine died: run() raises it
         self.link = Link(settings, self.worker_id, self)
         self.weights = Weights(self.worker_id, engine, self.link, self, settings.policy_version)
         self.runner = Runner(settings, self.worker_id, engine, store, self.link, self.weights, self.check_engine)
+
+    @property
+    def settings(self) -> WorkerSettings:
+        return self._settings
+
+    @settings.setter
+    def settings(self, settings: WorkerSettings) -> None:
+        """Settings replaced on a running worker (a test shortens its progress period) reach the
+        layers that read them: the link and the runner read theirs as they go."""
+        self._settings = self.link.settings = self.runner.settings = settings
 
     async def run(self) -> None:
         """Serve until ``stop()``, over the link (which re-dials whenever the stream breaks);

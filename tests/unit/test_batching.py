@@ -13,6 +13,8 @@ step journal on a real redis-server.
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 import pytest
 import redis
@@ -210,6 +212,15 @@ async def test_the_agent_sends_the_progress_reported_within_one_period_in_one_me
     await wait_until(lambda: not agent.link.outbox.empty(), what="the second progress message")
     single = agent.link.outbox.get_nowait()
     assert single.WhichOneof("kind") == "progress" and single.progress.request_key == "c"
+
+
+async def test_settings_replaced_on_a_running_agent_reach_the_layers_that_read_them():
+    """``test_moves_engines`` shortens running workers' progress period this way."""
+    agent = WorkerAgent(WorkerSettings(worker_id="w", progress_seconds=600.0), engine=None)  # type: ignore[arg-type]
+    agent.settings = dataclasses.replace(agent.settings, progress_seconds=0.05)
+    agent.link.report_progress("a", 3)
+    await wait_until(lambda: not agent.link.outbox.empty(), timeout=5, what="the progress message, 0.05 s on")
+    assert agent.runner.settings.progress_seconds == 0.05  # what paces the runner's reports
 
 
 async def test_a_progress_batch_updates_each_request_the_worker_holds_and_ignores_the_rest():
