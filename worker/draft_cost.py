@@ -21,10 +21,10 @@ where drafted rows draft different lengths; where the data cannot tell them apar
 not sure to ``max_rel_error``, or not above zero), the fit without it decides, and
 ``per_drafted_request_seconds`` is 0.
 
-**Robust to a shared machine.** A pass the OS preempts takes many times its work: on a 2-core
-machine with another process busy, 10-20% of a tiny model's passes took 130-200 ms against a
-median of 15 ms. Least squares on such passes reads a residual spread of tens of milliseconds
-and is never sure of a 30 us draft token. The fit therefore starts from a least-absolute-
+**Robust to a shared machine.** A pass the OS preempts takes many times its work, and on a busy
+host such passes are many (docs/results/2026-11-28-ci-time-and-draft-cost.md): least squares on
+them reads a residual spread of several passes and is never sure of a draft token's cost, a
+small part of one pass. The fit therefore starts from a least-absolute-
 deviations fit (iteratively reweighted) and then gives each pass Tukey's biweight by its
 residual over the residuals' robust scale (1.4826 x their weighted median absolute value):
 passes ``TUKEY`` scales or more off the fit weigh nothing, so stalls, however many below half
