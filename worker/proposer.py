@@ -354,8 +354,8 @@ class BubbleSpecProposer:
 
     def _retire(self, req_id: str) -> None:
         d = self.drafters.pop(req_id)
-        if d.output and self.samples.add(d.prompt_hash, np.asarray(d.output, dtype=np.int32)):
-            response = self.samples.of(d.prompt_hash)[-1]
+        response = np.asarray(d.output, dtype=np.int32)
+        if self.samples.add(d.prompt_hash, response):  # kept (an empty or oversized one is not)
             for other in self.drafters.values():  # the group's running samples draft from it too
                 if other.prompt_hash == d.prompt_hash:
                     other.add_candidate(Candidate("sibling", response))
