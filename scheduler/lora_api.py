@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from bubblespec.scheduler.app import SchedulerApp
     from bubblespec.scheduler.service import WorkerLink
 
-__all__ = ["create_router", "load_on_join"]
+__all__ = ["create_router", "load_adapter", "load_on_join"]
 
 logger = logging.getLogger(__name__)
 _FIELDS = ("lora_name", "lora_path", "load_inplace", "is_3d_lora_weight")
@@ -64,7 +64,9 @@ def _failed(call: str, name: str, version: int, answers: dict[str, ControlAnswer
     return InvalidRequest("workers", message, ErrorCode.INTERNAL)
 
 
-async def _load(scheduler: SchedulerApp, body: dict) -> str:
+async def load_adapter(scheduler: SchedulerApp, body: dict) -> str:
+    """``/v1/load_lora_adapter``'s work on ``body`` (its fields checked here): vLLM's success text,
+    or ``InvalidRequest`` naming the field or the workers, with the adapter as it was."""
     for key in body:
         if key not in _FIELDS:
             raise InvalidRequest(key, f"{key} is not a field of vLLM 0.32's /v1/load_lora_adapter "
@@ -186,7 +188,7 @@ def create_router(scheduler: SchedulerApp) -> APIRouter:
 
     @router.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> Response:
-        return await answer(request, _load)
+        return await answer(request, load_adapter)
 
     @router.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request) -> Response:

@@ -16,6 +16,12 @@
   scheduler logs a warning. 404 because prime-rl's NCCL set-up reports only a 404 (it logs that
   the route does not exist and goes on without NCCL); other statuses it drops without a word.
   Changes nothing.
+- ``POST /load_lora_adapter {lora_name, lora_path}`` -> ``{"status": "ok"}``: prime-rl's wrapper of
+  vLLM's ``/v1/load_lora_adapter``, which its orchestrator calls after every step of a LoRA run
+  with the same name and a new path. As prime-rl's, it always loads in place (``load_inplace`` is
+  forced true), so each call is the adapter's next version (``lora_api.py``: barrier, version
+  stamp, drafts keyed by version). Failures answer as that route does (400/404/500 in OpenAI's
+  error shape, naming the field or the workers), and change nothing; prime-rl retries 404 and 500.
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from bubblespec.scheduler.openai_api import error, unauthorized
+from bubblespec.scheduler.core.types import InvalidRequest
+from bubblespec.scheduler.lora_api import load_adapter
+from bubblespec.scheduler.openai_api import STATUS, error, read_json, unauthorized
 
 if TYPE_CHECKING:
     from bubblespec.scheduler.app import SchedulerApp
@@ -54,5 +62,16 @@ def create_router(scheduler: SchedulerApp) -> APIRouter:
             return refusal
         logger.warning("refused POST /init_broadcaster: prime-rl's NCCL weight broadcast is not served")
         return error(404, INIT_BROADCASTER_REFUSAL, "init_broadcaster")
+
+    @router.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        if (refusal := unauthorized(scheduler, request)) is not None:
+            return refusal
+        try:
+            body = await read_json(request, scheduler.settings.limits.max_request_bytes)
+            await load_adapter(scheduler, {**body, "load_inplace": True})
+        except InvalidRequest as exc:
+            return error(STATUS.get(exc.code, 400), str(exc), exc.field)
+        return JSONResponse({"status": "ok"})
 
     return router

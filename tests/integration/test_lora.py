@@ -10,7 +10,8 @@ Checked: greedy completions naming the adapter equal plain vLLM's with the same 
 differ from the base model's; base-model requests are unaffected; a reload is the next version;
 drafts never cross adapters or versions (history drafts of the base model, and of an earlier
 version, are not offered to the adapter's requests: the completions' draft provenance and the
-store's keys say so); a bad path fails naming ``lora_path`` with nothing changed; after an
+store's keys say so); a bad path fails naming ``lora_path`` with nothing changed; prime-rl's
+``/load_lora_adapter`` (in place, ``{"status": "ok"}``) is the next version; after an
 unload a request naming the adapter is a 404; ``/server_info``'s ``lora_config`` is what plain
 vLLM reports for the same LoRA settings.
 """
@@ -18,6 +19,7 @@ vLLM reports for the same LoRA settings.
 from __future__ import annotations
 
 import asyncio
+import shutil
 
 import httpx
 import pytest
@@ -179,6 +181,22 @@ async def test_a_bad_path_fails_naming_the_field_and_changes_nothing(lora, tmp_p
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
     r, c = await lora.complete("math", PROMPTS[1])  # the loaded adapter is as it was
     assert r.status_code == 200 and r.headers["X-BubbleSpec-Adapter-Version"] == "2"
+
+
+async def test_prime_rls_load_route_reloads_in_place_as_the_next_version(lora, tmp_path):
+    # prime-rl's orchestrator (prime_rl.utils.client.load_lora_adapter) after each step of a LoRA run:
+    # the same name, the step's own directory, no load_inplace (its server wrapper forces it)
+    step_dir = shutil.copytree(lora.adapter, tmp_path / "step_3")
+    r = await lora.http.post("/load_lora_adapter", json={"lora_name": "math", "lora_path": str(step_dir)})
+    assert r.status_code == 200 and r.json() == {"status": "ok"}, r.text
+    r, c = await lora.complete("math", PROMPTS[2])
+    assert r.status_code == 200 and r.headers["X-BubbleSpec-Adapter-Version"] == "3"
+    assert c is not None and c.adapter_version == 3
+    assert tuple(r.json()["choices"][0]["token_ids"]) == await lora.reference_tokens(PROMPTS[2], ("math", 1))
+    r = await lora.http.post("/load_lora_adapter", json={"lora_name": "math", "lora_path": str(tmp_path / "step_4")})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "lora_path", r.text  # prime-rl retries a 404
+    r, _ = await lora.complete("math", PROMPTS[2])
+    assert r.status_code == 200 and r.headers["X-BubbleSpec-Adapter-Version"] == "3"  # unchanged
 
 
 async def test_unload_then_a_request_naming_it_is_404(lora):

@@ -1,6 +1,7 @@
 """prime-rl's own server routes (``scheduler/prime_rl_routes.py``): ``/liveness`` answers as
 prime-rl's server does; ``/init_broadcaster`` is refused by name, with the status prime-rl's NCCL
-set-up reports, and changes nothing."""
+set-up reports, and changes nothing; ``/load_lora_adapter`` checks the token and its fields
+(its loads run on real engines in ``tests/integration/test_lora.py``)."""
 
 from __future__ import annotations
 
@@ -70,3 +71,13 @@ def test_served_model_name_flag_names_the_model_prime_rl_asks_for(monkeypatch):
         "Qwen/Qwen3-0.6B"
     monkeypatch.setenv("BUBBLESPEC_SERVED_MODEL_NAME", "Qwen/Qwen3-0.6B")
     assert settings("--tokenizer", "/models/Qwen3-0.6B").model_name() == "Qwen/Qwen3-0.6B"
+
+
+def test_load_lora_adapter_takes_the_trainer_token_and_refuses_a_field_it_does_not_know():
+    http, _ = _http(token="secret")
+    body = {"lora_name": "math", "lora_path": "/ckpt/step_3"}  # prime_rl.utils.client.load_lora_adapter's body
+    assert http.post("/load_lora_adapter", json=body).status_code == 401
+    r = http.post("/load_lora_adapter", json={**body, "rank": 8}, headers={"Authorization": "Bearer secret"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "rank", r.text  # refused before any state is read
+    r = http.post("/load_lora_adapter", content=b"[1]", headers={"Authorization": "Bearer secret"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "request", r.text
