@@ -98,6 +98,8 @@ SCHEDULER_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("bubblespec_worker_stream_messages_total", "counter",
                "Messages on the workers' streams, a batch counting once, by direction (received, sent).",
                ("direction",)),
+    MetricSpec("bubblespec_scheduler_loop_stall_seconds_total", "counter",
+               "Seconds the scheduler's event loop ran its periodic tick late, summed: time it read no worker stream."),
     MetricSpec("bubblespec_grpc_requests_total", "counter",
                "gRPC calls served, by full method name and final status code.", ("method", "code")),
     MetricSpec("bubblespec_draft_store_up", "gauge",
@@ -248,6 +250,7 @@ class SchedulerMetrics(Collector):
         counts = self.service.worker_messages
         yield family(_SPECS["bubblespec_worker_stream_messages_total"],
                      [(("received",), counts.received), (("sent",), counts.sent)])
+        yield family(_SPECS["bubblespec_scheduler_loop_stall_seconds_total"], [((), self.service.loop_stalls.seconds)])
         journal = self.service.journal
         if journal is not None:
             yield family(_SPECS["bubblespec_journal_rejected_total"], [((), journal.rejected)])

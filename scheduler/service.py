@@ -96,6 +96,23 @@ class WorkerMessages:
     sent: int = 0
 
 
+@dataclass
+class LoopStalls:
+    """Seconds the scheduler's event loop could not run its tick on time, summed
+    (``bubblespec_scheduler_loop_stall_seconds_total``): time in which it read no worker stream
+    and answered no call. Not counted as the workers' silence (``core/silence.py``); a stall of
+    a second or more is logged as a warning."""
+
+    seconds: float = 0.0
+    warn_after: float = 1.0
+
+    def observe(self, stalled: float) -> None:
+        self.seconds += stalled
+        if stalled >= self.warn_after:
+            logger.warning("the scheduler's event loop stalled for %.1fs: no worker stream was read and no call "
+                           "answered meanwhile (not counted as the workers' silence)", stalled)
+
+
 class SchedulerService:
     """The asyncio side of the scheduler: worker links, trainer subscriptions, policy update
     barriers, the journal. Feeds events to ``SchedulerCore`` and executes its actions
@@ -117,6 +134,7 @@ class SchedulerService:
         self.control = ControlCalls(self._send)  # engine control calls fanned out to workers (control.py)
         self.transfer = WeightTransfer(core)  # vLLM's weight-transfer group (core/transfer.py)
         self.worker_messages = WorkerMessages()  # counted by the WorkerLink servicer
+        self.loop_stalls = LoopStalls()  # measured by ``tick_forever``
         self._dispatch_due = False  # a dispatch of the pool's new requests is scheduled (``run_requests``)
         self.on_join: list[Callable[[WorkerLink], None]] = []
         """Called with each worker's link once it joined (``lora_api``: it loads the cluster's adapters)."""
@@ -420,10 +438,19 @@ class SchedulerService:
         self.execute(self.core.handle(event))
 
     async def tick_forever(self, period: float) -> None:
+        """The core's tick every ``period`` seconds, told how long the event loop stalled since
+        the last one (the time between them beyond ``period``): those seconds are not counted as
+        the workers' silence (``core/silence.py``)."""
+        loop = asyncio.get_running_loop()
+        last = loop.time()
         while True:
             await asyncio.sleep(period)
+            now = loop.time()
+            stalled = max(0.0, now - last - period)
+            last = now
+            self.loop_stalls.observe(stalled)
             try:
-                self.execute(self.core.tick())
+                self.execute(self.core.tick(stalled))
             except Exception:  # keep ticking whatever one tick did
                 logger.exception("tick failed")
 

@@ -57,6 +57,7 @@ from bubblespec.scheduler.core.policy import PolicyVersions
 from bubblespec.scheduler.core.records import RequestState, StepState, WorkerState
 from bubblespec.scheduler.core.records import total_provenance as _total
 from bubblespec.scheduler.core.settings import CoreSettings
+from bubblespec.scheduler.core.silence import silent_workers
 from bubblespec.scheduler.core.timing import TimeAccounting
 from bubblespec.scheduler.core.types import (
     Abort,
@@ -508,14 +509,15 @@ class SchedulerCore(CoreView, AdapterCommands):
 
     # ----------------------------------------------------------------- tick --
 
-    def tick(self) -> list[Action]:
-        """Periodic checks: dead workers, stragglers, stalled requests."""
+    def tick(self, stalled: float = 0.0) -> list[Action]:
+        """Periodic checks: dead workers, stragglers, stalled requests. ``stalled``: seconds
+        since the last tick in which the scheduler could not listen (``core/silence.py``)."""
         now = self.clock()
         actions: list[Action] = []
         if self.drafts.expire(now):  # a draft result that never came: run the requests without the draft
             actions += self.dispatcher.fill_all()
-        for w in [w for w in self.workers.values() if now - w.last_seen > self.settings.worker_timeout_seconds]:
-            silent = f"silent for {now - w.last_seen:.1f}s"
+        for w, seconds in silent_workers(self.workers.values(), now, stalled, self.settings.worker_timeout_seconds):
+            silent = f"silent for {seconds:.1f}s"
             actions.append(Disconnect(w.hello.worker_id, silent))
             actions += self.remove_worker(w.hello.worker_id, f"worker {silent} while running it")
         actions += self.liveness.tick(now)
