@@ -197,6 +197,11 @@ class _SchedulerProcess:
         fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
+    def mark_memory(self) -> None:
+        """With ``trace_memory``: the child takes the snapshot its end-of-run trace compares with."""
+        if self.config["trace_file"] and self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGUSR1)
+
     def memory_trace(self) -> str:
         """tracemalloc's top allocation sites, written by the child when it stopped."""
         try:
@@ -212,7 +217,7 @@ class _SchedulerProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)  # graceful: health NOT_SERVING, drain, stop
             try:
-                self.proc.wait(20)
+                self.proc.wait(300 if self.config["trace_file"] else 20)  # tracemalloc's snapshots take long
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
@@ -238,23 +243,38 @@ async def _serve_child(config: dict) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    baseline: list = []  # tracemalloc's snapshot when the parent sent SIGUSR1 (after the warm-up rounds)
+    if config["trace_file"]:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, lambda: baseline.append(_snapshot()))
     await stop.wait()
     if config["trace_file"]:
-        _write_trace(config["trace_file"])
+        _write_trace(config["trace_file"], baseline[-1] if baseline else None)
     await scheduler.stop(grace=5.0)
 
 
-def _write_trace(path: str, top: int = 25) -> None:
+def _snapshot():
     import gc
     import tracemalloc
 
     gc.collect()
-    snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
+    return tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
+
+
+def _write_trace(path: str, baseline=None, top: int = 25) -> None:
+    """The largest allocation sites now, and where ``baseline`` (a snapshot after the warm-up
+    rounds) was given, the sites that grew most since it."""
+    snapshot = _snapshot()
     stats = snapshot.statistics("lineno")
     total = sum(s.size for s in stats)
     lines = [f"traced Python memory: {total / MIB:.1f} MiB in {sum(s.count for s in stats)} blocks"]
     lines += [f"{s.size / MIB:8.2f} MiB {s.count:9d} blocks  {s.traceback[0].filename}:{s.traceback[0].lineno}"
               for s in stats[:top]]
+    if baseline is not None:
+        diff = snapshot.compare_to(baseline, "lineno")
+        grown = sum(d.size_diff for d in diff)
+        lines.append(f"grown since the warm-up rounds: {grown / MIB:+.2f} MiB; the sites that grew most:")
+        lines += [f"{d.size_diff / MIB:+8.2f} MiB {d.count_diff:+9d} blocks  {d.traceback[0].filename}:"
+                  f"{d.traceback[0].lineno}" for d in sorted(diff, key=lambda d: -d.size_diff)[:top]]
     Path(path).write_text("\n".join(lines) + "\n")
 
 

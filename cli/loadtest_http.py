@@ -64,6 +64,9 @@ from bubblespec.cli.loadtest_workers import ChildProcesses, prompt_key
 
 __all__ = ["HTTP_ENGINE", "KEEPALIVE_SECONDS", "RoundRecord", "http_loadtest", "http_settings", "run_http_loadtest"]
 
+WARM_UP_ROUNDS = 5
+"""With ``--trace-memory``, the scheduler's allocations are compared with a snapshot taken after
+this many rounds (the middle of the memory verdict's rounds 3-7)."""
 KEEPALIVE_SECONDS = 2.0
 """The clients close a connection idle this long. uvicorn (the scheduler's HTTP server) closes one
 idle 5 s, and under load it closes some just as a call comes on them: at 4 s, with the clients'
@@ -438,6 +441,8 @@ async def run_http_loadtest(settings: LoadSettings, on_round=None) -> LoadResult
             for rnd in range(settings.rounds):
                 record = await _run_round(h, clients, rnd, latencies)
                 result.steps.append(record)
+                if rnd == WARM_UP_ROUNDS - 1:
+                    h.scheduler.mark_memory()  # --trace-memory: growth is measured from here
                 if on_round is not None:
                     on_round(record)
             total = time.monotonic() - began
