@@ -31,7 +31,9 @@ Measured per step:
 The memory verdict compares the median RSS of the last five steps with the median of steps
 3-7: "flat" when it grew by at most max(4 MiB, 3 %), else "grows". Finished steps are kept by
 the scheduler for resume (``CoreSettings.keep_steps``, 32 in the service); the load test keeps
-``--keep-steps`` (default 2) so that a 20-step run reaches its steady state.
+``--keep-steps`` (default 2), and the response lengths of ``--length-history`` prompts (default
+8,192; ``CoreSettings.max_length_history``, 200,000 in the service), so that a 20-step run
+reaches its steady state.
 
 ``--http`` runs the same harness (``started``) under HTTP clients calling ``/v1/completions``
 instead of the trainer's steps: ``cli/loadtest_http.py``.
@@ -150,10 +152,11 @@ class _RedisProcess:
 class _SchedulerProcess:
     """The real scheduler in a child process; reads its memory and CPU from /proc."""
 
-    def __init__(self, redis_url: str, keep_steps: int, trace_memory: bool = False) -> None:
+    def __init__(self, redis_url: str, keep_steps: int, trace_memory: bool = False,
+                 length_history: int = 200_000) -> None:
         self._trace = tempfile.NamedTemporaryFile(  # noqa: SIM115 - the child writes it; removed once read
             prefix="bubblespec-loadtest-trace-", suffix=".txt", delete=False)
-        self.config = {"redis_url": redis_url, "keep_steps": keep_steps,
+        self.config = {"redis_url": redis_url, "keep_steps": keep_steps, "length_history": length_history,
                        "trace_file": self._trace.name if trace_memory else ""}
         self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - the child writes it; removed in stop()
             prefix="bubblespec-loadtest-scheduler-", suffix=".log", delete=False)
@@ -236,7 +239,8 @@ async def _serve_child(config: dict) -> None:
 
     settings = SchedulerSettings(host="127.0.0.1", grpc_port=0, http_port=0, redis_url=config["redis_url"],
                                  journal_secret=secrets.token_hex(16),  # journal on: part of the measured path
-                                 core=CoreSettings(keep_steps=config["keep_steps"]))
+                                 core=CoreSettings(keep_steps=config["keep_steps"],
+                                                   max_length_history=config["length_history"]))
     scheduler = Scheduler(settings)
     await scheduler.start()
     print(json.dumps({"grpc_port": scheduler.grpc_port, "http_port": scheduler.http_port}), flush=True)
@@ -406,7 +410,7 @@ class _Harness:
         else:
             self.redis = _RedisProcess()
             self.redis_url = self.redis.start()
-        self.scheduler = _SchedulerProcess(self.redis_url, s.keep_steps, s.trace_memory)
+        self.scheduler = _SchedulerProcess(self.redis_url, s.keep_steps, s.trace_memory, s.length_history)
         await self.scheduler.start()
         if s.worker_store not in ("redis", "memory", "none"):
             raise ValueError(f"worker_store must be 'redis', 'memory' or 'none', got {s.worker_store!r}")
@@ -734,6 +738,7 @@ def add_parser(sub, add) -> None:
                        ("step-seconds", "simulated engine step with one request running"),
                        ("batch-slope-seconds", "extra simulated step time per further running request"),
                        ("keep-steps", "finished steps the scheduler keeps (service default: 4)"),
+                       ("length-history", "prompts whose response lengths the scheduler keeps (service: 200000)"),
                        ("policy", "scheduling policy: static | queue | longest-first"),
                        ("update-policy", "push a new policy version before every step"),
                        ("redis-url", "Redis URL ('' = own redis-server if installed, 'memory' = none)"),

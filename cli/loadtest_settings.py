@@ -38,6 +38,11 @@ class LoadSettings:
     """Extra simulated step time per further running request."""
     keep_steps: int = 2
     """Finished steps the scheduler keeps for resume (the service default is 4)."""
+    length_history: int = 8192
+    """Prompts whose response lengths the scheduler remembers (``CoreSettings.max_length_history``,
+    200,000 in the service: ~90 bytes a prompt, so about 18 MiB at most). Bounded memory, not a
+    leak, so the test keeps few, as for ``keep_steps``: with 4,096 new prompts a round the bound
+    is reached in round 2 and the memory verdict sees the steady state."""
     policy: str = "queue"
     """Scheduling policy of every step: static | queue | longest-first."""
     update_policy: bool = True
