@@ -611,6 +611,7 @@ _SCRAPED = {  # summary field <- the scheduler's series (over the whole run: set
     "metrics_completions_total": "bubblespec_completions_total",
     "worker_messages_received": 'bubblespec_worker_stream_messages_total{direction="received"}',
     "worker_messages_sent": 'bubblespec_worker_stream_messages_total{direction="sent"}',
+    "scheduler_loop_stall_seconds": "bubblespec_scheduler_loop_stall_seconds_total",
 }
 
 

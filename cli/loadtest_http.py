@@ -524,7 +524,8 @@ def summary_text(result: LoadResult) -> str:
          f"{s['connections_opened']} connections opened in the rounds"),
         (f"completions: {s['completions']} of {s['completions_expected']} (scheduler's bubblespec_completions_total: "
          f"{s['metrics_completions_total']:.0f}; workers sent {s['worker_completions_sent']}, "
-         f"{s['engine_reruns']} engine runs beyond the choices)"),
+         f"{s['engine_reruns']} engine runs beyond the choices; the scheduler's event loop ran its ticks "
+         f"{s.get('scheduler_loop_stall_seconds', math.nan):.1f} s late in all)"),
         (f"throughput: {s['completions_per_second']:.1f} completions/s over the rounds' {s['round_seconds']:.1f} s "
          f"(median round {s['completions_per_second_median_of_rounds']:.1f}/s); scheduler CPU "
          f"{s['scheduler_cpu_ms_per_completion']:.3f} ms per completion; clients' CPU "
