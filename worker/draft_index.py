@@ -1,18 +1,18 @@
 """Per-request draft matching and adaptive draft length (pure: numpy and the scheduler core's
 paying rule, no vLLM).
 
-A request carries candidate continuations (``Candidate``) from three sources: ``future``
-(responses pre-generated in bubbles for this prompt), ``history`` (earlier steps' responses)
-and ``sibling`` (the other samples of the same prompt, read live from the batch).
+A request drafts from the texts of its group (``group_index.GroupIndex``: one per prompt,
+adapter version and weights), each a candidate continuation (``Candidate``) of one of three
+sources: ``future`` (responses pre-generated in bubbles for this prompt), ``history`` (earlier
+steps' responses) and ``sibling`` (the other samples of the same prompt: running beside it,
+their outputs growing every step, or finished on this engine).
 
 ``RequestDrafter.propose`` returns the next draft tokens for one request:
 
-1. **Aligned**: a candidate whose prefix equals everything generated so far proposes its
-   next tokens.
-2. **Resync**: otherwise the longest suffix (up to ``match_len`` tokens) of what was
-   generated that occurs in a candidate is found; the occurrence nearest to the current
-   position proposes what follows it.
-3. A cursor ``(candidate, position)`` remembers the match; as long as newly generated tokens
+1. **Resync** (``GroupIndex.find``): where the request's recent tokens occur in another text
+   of the group, the longest match, the continuation most texts agree on, the occurrence
+   nearest the request's position; a text that agrees with everything so far is found so.
+2. A cursor ``(candidate, position)`` remembers the match; as long as newly generated tokens
    keep agreeing with the candidate it advances without searching again.
 
 4. **Self-suffix** (``SuffixIndex``): where no candidate continues the current position, the
@@ -49,19 +49,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from bubblespec.common.rules import paying_draft_tokens
+from bubblespec.worker.group_index import Candidate, Doc, GroupIndex
 
 __all__ = ["SOURCES", "Candidate", "DraftLength", "RequestDrafter", "StepRate", "SuffixIndex",
            "SuffixRule"]
 
 SOURCES = ("future", "history", "sibling", "suffix")
-
-
-@dataclass
-class Candidate:
-    """One candidate continuation of a prompt. ``tokens`` may grow (siblings)."""
-
-    source: str
-    tokens: np.ndarray  # int64, 1-D
 
 
 @dataclass(frozen=True)
@@ -255,12 +248,12 @@ class RequestDrafter:
         key: str = "",
         prompt_hash: int = 0,
         prompt_len: int = 0,
-        match_len: int = 3,
         suffix: SuffixRule | None = None,
         prompt_tokens: Sequence[int] = (),
         predicted: float = 0.0,
         draft_job: bool = False,
         min_tokens: int = 0,
+        group: GroupIndex | None = None,
     ) -> None:
         self.key = key
         self.min_tokens = min_tokens
@@ -273,18 +266,21 @@ class RequestDrafter:
         candidate continues the request (``tail_drafts``)."""
         self.prompt_hash = prompt_hash
         self.prompt_len = prompt_len
-        self.candidates = candidates
-        self._static = len(candidates)
+        self.group = group if group is not None else GroupIndex()
+        """The texts this request drafts from: its group's (the proposer's), or its own."""
+        for c in candidates:
+            self.group.add(c.source, c.tokens)
+        self.doc: Doc = self.group.add("sibling", (), live=True)  # type: ignore[assignment]  # live: never None
+        """This request's own output, a text of the group for its other samples."""
         self.rule = rule
-        self.match_len = match_len
         self.accepts = dict.fromkeys(SOURCES, rule.prior)
         """Acceptance average by draft source, kept apart: a sibling that runs in step with
         the request (greedy decoding makes every sample the same) only matches the request's
         own past, and its rejected proposals must not shorten a stored draft that is accepted."""
         self.stats = RequestStats()
-        self._cursor: tuple[int, int] | None = None  # (candidate index, position)
+        self._cursor: tuple[Candidate, int] | None = None  # (candidate followed, position in it)
         self._seen = 0  # generated tokens already folded into the cursor
-        self._missed = -1  # output length at which the last search found nothing (no new search there)
+        self._missed: tuple[int, int] | None = None  # (output length, group version) of a search that found nothing
         self._last: tuple[str, int] | None = None  # (source, drafted) of the last proposal
         self.held_back = False
         """Whether the last proposal was cut to nothing by the length rule while a candidate
@@ -292,10 +288,17 @@ class RequestDrafter:
         self._suffix = SuffixIndex(suffix, prompt_tokens) if suffix is not None and suffix.enabled else None
         self._suffix_seen = 0  # generated tokens already in the suffix index
         self._suffix_prompt = len(prompt_tokens)
-        self._added = 0  # candidates add_candidate added
-        self.output: list[int] = []
+
+    @property
+    def output(self) -> np.ndarray:
         """The request's output as the batch last showed it (``keep``): its response once it
         finishes, a sibling draft for its group's later samples (``worker/groups.py``)."""
+        return self.doc.candidate.tokens
+
+    @property
+    def candidates(self) -> list[Candidate]:
+        """The texts this request may draft from (its group's, its own output left out)."""
+        return self.group.candidates(exclude=self.doc)
 
     def observe(self, num_sampled: int) -> None:
         """Account for the engine step that just sampled ``num_sampled`` tokens."""
@@ -314,7 +317,7 @@ class RequestDrafter:
     def accept(self) -> float:
         """Acceptance average of the candidate that continues the request now (where none
         does, of ``future`` drafts, the usual first candidate)."""
-        return self.accepts[self.candidates[self._cursor[0]].source if self._cursor is not None else "future"]
+        return self.accepts[self._cursor[0].source if self._cursor is not None else "future"]
 
     @property
     def last_accept(self) -> float:
@@ -332,41 +335,28 @@ class RequestDrafter:
         return self.accepts["suffix"]
 
     def keep(self, generated: np.ndarray) -> None:
-        """Bring ``output`` up to ``generated`` (the new tokens only; should the output ever be
-        shorter than what was kept, from the start)."""
-        if len(generated) < len(self.output):
-            self.output = []
-        if len(generated) > len(self.output):
-            self.output.extend(generated[len(self.output):].tolist())
+        """Bring ``output`` (the request's text in the group) up to ``generated``: the new
+        tokens only; should the output ever be shorter than what was kept, from the start."""
+        n = self.doc.n
+        if len(generated) < n:
+            self.group.drop(self.doc)
+            self.doc = self.group.add("sibling", (), live=True)  # type: ignore[assignment]  # live: never None
+            n = 0
+        if len(generated) > n:
+            self.group.extend(self.doc, generated[n:])
 
-    MAX_ADDED = 16
-    """Candidates ``add_candidate`` adds at most (a large group's later finishers add nothing)."""
-
-    def add_candidate(self, candidate: Candidate) -> None:
-        """A candidate that stays, after those given at the start (a finished sibling's
-        response): it goes before the live siblings, and a search may find it."""
-        if self._added >= self.MAX_ADDED:
-            return
-        self._added += 1
-        self.candidates.insert(self._static, candidate)
-        if self._cursor is not None and self._cursor[0] >= self._static:
-            self._cursor = (self._cursor[0] + 1, self._cursor[1])
-        self._static += 1
-        self._missed = -1
-
-    def set_siblings(self, siblings: list[Candidate]) -> None:
-        """Replace the live sibling candidates (the static ones come first and stay)."""
-        self.candidates = self.candidates[: self._static] + siblings
-        self._missed = -1  # new contents: a search may find something now
-        if self._cursor is not None and self._cursor[0] >= self._static:
-            self._cursor = None  # sibling contents moved on; search again
+    def finish(self) -> np.ndarray:
+        """The request left the batch: its output stays in the group as a finished sample's
+        response; returned."""
+        self.group.finish(self.doc, "future" if self.draft_job else None)
+        return self.output
 
     def coverage(self, generated: np.ndarray) -> int:
         """Tokens of the candidate that continues ``generated`` left past it (0: none does);
         for a ``future`` or ``history`` draft, a prediction of what this request still has to
         generate (``tail_drafts``)."""
-        pos = self._advance(generated) if self.candidates else None
-        return 0 if pos is None else max(0, len(self.candidates[pos[0]].tokens) - pos[1])
+        pos = self._advance(generated)
+        return 0 if pos is None else max(0, len(pos[0].tokens) - pos[1])
 
     def propose(self, generated: np.ndarray, cap: int, tokens_per_second: float = 0.0, k: int | None = None) -> list[int]:
         """Draft tokens to follow ``generated`` (this request's output so far): from a
@@ -386,10 +376,9 @@ class RequestDrafter:
             k = None if k is None else min(k, most)
         decided = k is not None
         self.held_back = False
-        pos = self._advance(generated) if (cap if k is None else k) > 0 and self.candidates else None
+        pos = self._advance(generated) if (cap if k is None else k) > 0 else None
         if pos is not None:
-            idx, at = pos
-            cand = self.candidates[idx]
+            cand, at = pos
             if k is None:  # by the acceptance of this candidate's source
                 k = self.rule.for_request(self.accepts[cand.source], self.stats.forward_passes, cap, tokens_per_second)
                 self.held_back = k == 0 and at < len(cand.tokens)
@@ -416,59 +405,18 @@ class RequestDrafter:
         self._suffix.extend(generated[self._suffix_seen:].tolist())
         self._suffix_seen = len(generated)
 
-    def _advance(self, generated: np.ndarray) -> tuple[int, int] | None:
+    def _advance(self, generated: np.ndarray) -> tuple[Candidate, int] | None:
         g = len(generated)
         if self._cursor is not None:
-            idx, at = self._cursor
+            cand, at = self._cursor
             new = generated[self._seen :]
-            tokens = self.candidates[idx].tokens
-            if np.array_equal(tokens[at : at + len(new)], new) and at + len(new) <= len(tokens):
-                self._cursor = (idx, at + len(new))
+            if at + len(new) <= len(cand.tokens) and np.array_equal(cand.tokens[at : at + len(new)], new):
+                self._cursor = (cand, at + len(new))
                 self._seen = g
                 return self._cursor
-        elif g == self._missed:  # searched at this length already (the batch plan, then the proposal)
+        elif self._missed == (g, self.group.version):  # nothing new since the last search (the batch plan, then the proposal)
             return None
-        self._cursor = self._search(generated)
+        self._cursor = self.group.find(generated, exclude=self.doc)
         self._seen = g
-        self._missed = g if self._cursor is None else -1
+        self._missed = (g, self.group.version) if self._cursor is None else None
         return self._cursor
-
-    def _search(self, generated: np.ndarray) -> tuple[int, int] | None:
-        """Where a candidate continues ``generated``. A sibling no longer than the request has
-        no token ahead of it: under greedy decoding it is the request itself, and a match in
-        it is only the request's own past (``SuffixRule``'s business), so siblings count only
-        while they are ahead."""
-        g = len(generated)
-        usable = [(idx, c.tokens) for idx, c in enumerate(self.candidates)
-                  if len(c.tokens) > g or (idx < self._static and len(c.tokens) > 1)]
-        for idx, tokens in usable:  # a candidate that agrees with everything so far
-            if len(tokens) > g and np.array_equal(tokens[:g], generated):
-                return idx, g
-        return _nearest(usable, generated[g - min(self.match_len, g):], g) if g else None
-
-
-def _nearest(candidates: list[tuple[int, np.ndarray]], tail: np.ndarray, g: int) -> tuple[int, int] | None:
-    """(candidate index, position after the match) for the longest suffix of ``tail`` that
-    occurs in a candidate before its last token; among those of that length, the occurrence
-    nearest position ``g`` (the first candidate on a tie). One comparison per candidate finds
-    where the last token occurs; the longer suffixes are checked at those places only."""
-    m = len(tail)
-    best: tuple[int, int, int, int] | None = None  # (-match length, distance, idx, position after)
-    for idx, tokens in candidates:
-        ends = np.flatnonzero(tokens[:-1] == tail[-1])  # where a match's last token sits
-        if len(ends) == 0:
-            continue
-        length = np.ones(len(ends), dtype=np.int64)
-        agree = np.ones(len(ends), dtype=bool)
-        for j in range(1, m):  # extend backwards while the tokens keep agreeing
-            back = ends - j
-            agree &= back >= 0
-            agree[agree] = tokens[back[agree]] == tail[-1 - j]
-            length += agree
-        top = int(length.max())
-        after = ends[length == top] + 1
-        j = int(np.argmin(np.abs(after - g)))
-        key = (-top, int(abs(after[j] - g)), idx, int(after[j]))
-        if best is None or key[:2] < best[:2]:
-            best = key
-    return None if best is None else (best[2], best[3])

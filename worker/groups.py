@@ -1,12 +1,12 @@
 """Finished samples of a prompt, kept as sibling drafts for its later samples (pure: numpy).
 
 A group is one prompt under one adapter version and one set of weights (``BubbleSpecProposer``
-keys it so). Its samples that run together draft from each other live (the batch's rows); a
-sample that starts after another finished (more samples than the engine has slots, the
-scheduler's probes running one sample of each prompt first, a client that sends a prompt's
-calls one after the other) would find nothing there. ``FinishedSamples`` keeps each finished
-sample's response, and the proposer hands it to the group's running and later samples as a
-``sibling`` candidate. Drafts never change a result: vLLM verifies them (docs/EXACTNESS.md).
+keys it so). While any of its samples runs, the group's texts live in its ``GroupIndex``
+(``worker/group_index.py``), finished responses included. A sample that starts after the last
+one left (more samples than the engine has slots, the scheduler's probes running one sample
+of each prompt first, a client that sends a prompt's calls one after the other) would find
+nothing there. ``FinishedSamples`` keeps each finished sample's response, and the proposer
+gives them to the group's index when its next sample starts, as ``sibling`` texts. Drafts never change a result: vLLM verifies them (docs/EXACTNESS.md).
 
 Memory is bounded: at most ``per_group`` responses a group (the newest), and ``max_tokens``
 tokens in all, the groups used least recently dropped first. A response longer than the whole

@@ -50,6 +50,7 @@ import numpy as np
 
 from bubblespec.worker.draft_cost import DraftCostFit
 from bubblespec.worker.draft_index import Candidate, DraftLength, RequestDrafter, StepRate, SuffixRule
+from bubblespec.worker.group_index import GroupIndex
 from bubblespec.worker.groups import FinishedSamples
 from bubblespec.worker.tail_drafts import makespan_draft_tokens
 
@@ -144,6 +145,7 @@ class BubbleSpecProposer:
         self.drafters: dict[str, RequestDrafter] = {}  # by vLLM request id
         self.finished: dict[str, dict] = {}  # stats by BubbleSpec key, until popped
         self.samples = FinishedSamples()  # finished responses by group: sibling drafts for its later samples
+        self.groups: dict[int, GroupIndex] = {}  # the texts of each group with a running request
         if vllm_config.device_config.device.type == "cpu" and extra.get("cpu_sampler_fix", True):
             install_cpu_sampler_fix()
 
@@ -190,23 +192,15 @@ class BubbleSpecProposer:
         rows = {rid: i for i, rid in enumerate(req_ids)}
         tps = self._measure(rows, sampled_token_ids)
         drafters = {rid: self._drafter(rid) for rid in req_ids}
-        groups: dict[int, list[int]] = {}
-        for rid, d in drafters.items():
-            if d is not None:
-                groups.setdefault(d.prompt_hash, []).append(rows[rid])
         live: list[tuple[int, RequestDrafter, np.ndarray]] = []
         for i, sampled in enumerate(sampled_token_ids):
             d = drafters[req_ids[i]]
             if d is None or len(sampled) == 0:
                 continue
             d.observe(len(sampled))
-            d.keep(token_ids_cpu[i, d.prompt_len:int(num_tokens_no_spec[i])])
-            siblings = [
-                Candidate("sibling", token_ids_cpu[r, d.prompt_len:int(num_tokens_no_spec[r])])
-                for r in groups[d.prompt_hash] if r != i
-            ]
-            d.set_siblings(siblings)
-            live.append((i, d, token_ids_cpu[i, d.prompt_len:int(num_tokens_no_spec[i])]))
+            generated = token_ids_cpu[i, d.prompt_len:int(num_tokens_no_spec[i])]
+            d.keep(generated)  # every row's output joins its group's texts before any row proposes
+            live.append((i, d, generated))
         lengths = self._makespan_lengths(live) if self.makespan and tps > 0 else {}
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         for i, d, generated in live:
@@ -344,21 +338,24 @@ class BubbleSpecProposer:
         # siblings are the rows with the same prompt under the same adapter version (worker/lora.py) and the
         # same weights (a finished one's response is kept for the group's later samples: worker/groups.py)
         group = hash((extra.get("adapter", ""), extra.get("weights", 0), prompt))
-        cands += [Candidate("sibling", r) for r in self.samples.of(group)]
+        index = self.groups.get(group)
+        if index is None:
+            index = self.groups[group] = GroupIndex()
+            for response in self.samples.of(group):
+                index.add("sibling", response, finished=True)
         drafter = RequestDrafter(cands, self.rule, key=extra["key"], prompt_hash=group,
                                  prompt_len=len(prompt), suffix=self.suffix, prompt_tokens=prompt,
                                  predicted=float(extra.get("predicted") or 0.0), draft_job=bool(extra.get("job")),
-                                 min_tokens=int(getattr(params, "min_tokens", 0) or 0))
+                                 min_tokens=int(getattr(params, "min_tokens", 0) or 0), group=index)
         self.drafters[req_id] = drafter
         return drafter
 
     def _retire(self, req_id: str) -> None:
         d = self.drafters.pop(req_id)
-        response = np.asarray(d.output, dtype=np.int32)
-        if self.samples.add(d.prompt_hash, response):  # kept (an empty or oversized one is not)
-            for other in self.drafters.values():  # the group's running samples draft from it too
-                if other.prompt_hash == d.prompt_hash:
-                    other.add_candidate(Candidate("sibling", response))
+        response = d.finish()  # its group's running samples draft from it too
+        self.samples.add(d.prompt_hash, response.astype(np.int32))  # and the group's later ones (an empty one is not kept)
+        if d.group.live_docs == 0:  # no sample of the group runs: its texts wait in self.samples
+            self.groups.pop(d.prompt_hash, None)
         self.finished[d.key] = {
             "forward_passes": d.stats.forward_passes,
             "drafted": dict(d.stats.drafted),
@@ -368,6 +365,8 @@ class BubbleSpecProposer:
     def forget_samples(self) -> None:
         """Drop the finished samples kept as sibling drafts (the engine's caches were reset)."""
         self.samples = FinishedSamples(self.samples.max_tokens, self.samples.per_group)
+        for index in self.groups.values():
+            index.forget_finished()
 
     def pop_stats(self, keys: list[str]) -> dict[str, dict]:
         """Provenance of finished (or aborted) requests, by BubbleSpec key; forgotten after."""

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from bubblespec.worker.draft_index import Candidate, DraftLength, RequestDrafter
+from bubblespec.worker.group_index import GroupIndex, GroupRule
 from bubblespec.worker.groups import FinishedSamples
 from bubblespec.worker.proposer import BubbleSpecProposer
 
@@ -126,17 +127,20 @@ def test_the_store_is_bounded_by_tokens_and_by_group() -> None:
         FinishedSamples(per_group=0)
 
 
-def test_a_candidate_added_while_a_live_siblings_is_followed_keeps_the_cursor_on_it() -> None:
-    d = RequestDrafter([Candidate("future", np.array([1, 2, 3]))], DraftLength(), prompt_len=0)
-    d.set_siblings([Candidate("sibling", np.array([7, 8, 9, 10, 11]))])
+def test_a_text_added_while_a_live_sibling_is_followed_keeps_the_cursor_on_it() -> None:
+    group = GroupIndex()
+    group.add("sibling", np.array([7, 8, 9, 10, 11]), live=True)
+    d = RequestDrafter([Candidate("future", np.array([1, 2, 3]))], DraftLength(), prompt_len=0, group=group)
     assert d.propose(np.array([7, 8]), cap=2) == [9, 10]
-    d.add_candidate(Candidate("sibling", np.array([7, 8, 9, 4, 4])))
-    assert [c.tokens.tolist() for c in d.candidates] == [[1, 2, 3], [7, 8, 9, 4, 4], [7, 8, 9, 10, 11]]
+    group.add("sibling", np.array([7, 8, 9, 4, 4]), finished=True)
+    assert [c.tokens.tolist() for c in d.candidates] == [[7, 8, 9, 10, 11], [1, 2, 3], [7, 8, 9, 4, 4]]
     assert d.propose(np.array([7, 8, 9]), cap=2) == [10, 11]  # still the live sibling it was following
 
 
-def test_a_running_sample_takes_at_most_sixteen_finished_siblings() -> None:
-    d = RequestDrafter([], DraftLength(), prompt_len=0)
+def test_a_group_keeps_at_most_sixteen_finished_siblings() -> None:
+    group = GroupIndex()
+    d = RequestDrafter([], DraftLength(), prompt_len=0, group=group)
     for i in range(20):
-        d.add_candidate(Candidate("sibling", np.array([i, i + 1])))
-    assert len(d.candidates) == RequestDrafter.MAX_ADDED == 16
+        group.add("sibling", np.array([i, i + 1]), finished=True)
+    assert len(d.candidates) == GroupRule().max_finished == 16
+    assert [c.tokens[0] for c in d.candidates] == list(range(4, 20))  # the newest
