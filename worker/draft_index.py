@@ -273,10 +273,13 @@ class RequestDrafter:
         self.doc: Doc = self.group.add("sibling", (), live=True)  # type: ignore[assignment]  # live: never None
         """This request's own output, a text of the group for its other samples."""
         self.rule = rule
-        self.accepts = dict.fromkeys(SOURCES, rule.prior)
+        self.accepts = {source: self.group.accept_prior(source, rule.prior) for source in SOURCES}
         """Acceptance average by draft source, kept apart: a sibling that runs in step with
         the request (greedy decoding makes every sample the same) only matches the request's
-        own past, and its rejected proposals must not shorten a stored draft that is accepted."""
+        own past, and its rejected proposals must not shorten a stored draft that is accepted.
+        It starts at the group's average of what its samples' drafts of that source achieved
+        (``GroupIndex.accept_prior``), ``rule.prior`` where none was seen: a group whose
+        samples diverge (sampled text) does not draft each new sample's first tokens on hope."""
         self.stats = RequestStats()
         self._cursor: tuple[Candidate, int] | None = None  # (candidate followed, position in it)
         self._seen = 0  # generated tokens already folded into the cursor
@@ -311,6 +314,7 @@ class RequestDrafter:
         self.stats.accepted[source] += accepted
         rate = accepted / drafted
         self.accepts[source] = (1 - self.rule.ema) * self.accepts[source] + self.rule.ema * rate
+        self.group.observe(source, rate, self.rule.ema)
         self._last = None
 
     @property
@@ -351,10 +355,13 @@ class RequestDrafter:
         self.group.finish(self.doc, "future" if self.draft_job else None)
         return self.output
 
-    def coverage(self, generated: np.ndarray) -> int:
+    def coverage(self, generated: np.ndarray, cap: int | None = None, tokens_per_second: float = 0.0) -> int:
         """Tokens of the candidate that continues ``generated`` left past it (0: none does);
         for a ``future`` or ``history`` draft, a prediction of what this request still has to
-        generate (``tail_drafts``)."""
+        generate (``tail_drafts``). With ``cap``: 0 without a search where the length rule
+        drafts nothing from any source of the group (``nothing_pays``)."""
+        if cap is not None and self.nothing_pays(cap, tokens_per_second):
+            return 0
         pos = self._advance(generated)
         return 0 if pos is None else max(0, len(pos[0].tokens) - pos[1])
 
@@ -376,7 +383,11 @@ class RequestDrafter:
             k = None if k is None else min(k, most)
         decided = k is not None
         self.held_back = False
-        pos = self._advance(generated) if (cap if k is None else k) > 0 else None
+        if k is None and cap > 0 and self.nothing_pays(cap, tokens_per_second):
+            pos = None  # a search could only find a candidate the rule would not draft from
+            self.held_back = bool(self.group.sources(exclude=self.doc))
+        else:
+            pos = self._advance(generated) if (cap if k is None else k) > 0 else None
         if pos is not None:
             cand, at = pos
             if k is None:  # by the acceptance of this candidate's source
@@ -393,6 +404,15 @@ class RequestDrafter:
         if drafted:
             self._last = ("suffix", len(drafted))
         return drafted
+
+    def nothing_pays(self, cap: int, tokens_per_second: float = 0.0) -> bool:
+        """Whether the length rule (``DraftLength.for_request``, this step) drafts no token at
+        this request's acceptance of any source its group's texts have: then no candidate is
+        drafted from, and the search for one (the proposer's main CPU cost in a large batch
+        whose samples diverge) is skipped. The cursor catches up at the next search."""
+        steps = self.stats.forward_passes
+        return all(self.rule.for_request(self.accepts[s], steps, cap, tokens_per_second) == 0
+                   for s in self.group.sources(exclude=self.doc))
 
     def _sync_suffix(self, generated: np.ndarray) -> None:
         """Append the newly generated tokens to the suffix index. Output only grows while a

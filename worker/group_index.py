@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bubblespec.worker.ngram_table import MAX_N, PositionTable, ngram_keys
+from bubblespec.worker.ngram_table import MAX_N, PositionTable, ngram_key, ngram_keys
 
 __all__ = ["Candidate", "Doc", "GroupIndex", "GroupRule"]
 
@@ -120,6 +120,30 @@ class GroupIndex:
         self.indexed = 0
         """Tokens in the tables, those of dropped texts included until they are rebuilt."""
         self._dropped = 0
+        self._accepts: dict[str, float] = {}  # by draft source: the average over the group's samples
+        self._sources: tuple[int, dict[str, int]] = (-1, {})  # (version, texts with a token by source)
+
+    def sources(self, exclude: Doc | None = None) -> set[str]:
+        """The draft sources of the texts that have a token, ``exclude`` left out."""
+        version, counts = self._sources
+        if version != self.version:
+            counts = {}
+            for doc in self._docs.values():
+                if doc.n:
+                    counts[doc.candidate.source] = counts.get(doc.candidate.source, 0) + 1
+            self._sources = (self.version, counts)
+        mine = exclude.candidate.source if exclude is not None and exclude.n and exclude.id in self._docs else None
+        return {s for s, n in counts.items() if n > (s == mine)}
+
+    def observe(self, source: str, rate: float, ema: float) -> None:
+        """One of the group's samples verified a draft of ``source``; ``rate`` of it was accepted."""
+        old = self._accepts.get(source)
+        self._accepts[source] = rate if old is None else (1 - ema) * old + ema * rate
+
+    def accept_prior(self, source: str, default: float) -> float:
+        """Where a new sample's acceptance average of ``source`` starts: what the group's samples
+        saw (``observe``), ``default`` before any."""
+        return self._accepts.get(source, default)
 
     def add(self, source: str, tokens: Iterable[int] | np.ndarray, *, live: bool = False,
             finished: bool = False) -> Doc | None:
@@ -157,6 +181,7 @@ class GroupIndex:
         doc.live = False
         if source is not None:
             doc.candidate.source = source
+            self.version += 1
         tokens = doc.candidate.tokens
         if doc.n == 0 or self._known(tokens, doc.candidate.source):
             self.drop(doc)
@@ -173,6 +198,7 @@ class GroupIndex:
             return False
         if _RANK.get(source, len(_RANK)) < _RANK.get(doc.candidate.source, len(_RANK)):
             doc.candidate.source = source
+            self.version += 1
         return True
 
     def _keep_finished(self, doc: Doc) -> None:
@@ -220,8 +246,7 @@ class GroupIndex:
         most = self.rule.max_occurrences
         found = []
         if g >= m:
-            key = int(ngram_keys(np.asarray(tail[-m:], dtype=np.int64), m)[0])
-            found = self._longest(self._ends.newest(key, most), tail, g, m, exclude)
+            found = self._longest(self._ends.newest(ngram_key(tail[-m:]), most), tail, g, m, exclude)
         if not found:
             found = self._longest(self._ones.newest(tail[-1], most), tail, g, 1, exclude)
         if not found:
@@ -268,22 +293,31 @@ class GroupIndex:
             return
         pending, self._pending = list(self._pending.values()), {}
         m = self.rule.min_match
-        ones_t, ones_v, grams_t, grams_v = [], [], [], []
+        segments, heads = [], []  # per text: its tokens from lo on; (id, lo, start, n)
         for doc, start in pending:
             if doc.id not in self._docs or doc.n <= start or self.indexed >= self.rule.max_tokens:
                 continue
-            tokens, base = doc.candidate.tokens, doc.id << 32
-            ones_t.append(tokens[start:])
-            ones_v.append(base + np.arange(start + 1, doc.n + 1))
-            first = max(start + 1, m)  # the position just after the first new n-gram
-            if doc.n >= first:
-                grams_t.append(ngram_keys(tokens[first - m:], m))
-                grams_v.append(base + np.arange(first, doc.n + 1))
+            lo = min(start, max(start + 1, m) - m)  # from where its first new n-gram begins
+            segments.append(doc.candidate.tokens[lo:])
+            heads.append((doc.id, lo, start, doc.n))
             self.indexed += doc.n - start
-        if ones_t:
-            self._ones.add(np.concatenate(ones_t), np.concatenate(ones_v))
-        if grams_t:
-            self._ends.add(np.concatenate(grams_t), np.concatenate(grams_v))
+        if not segments:
+            return
+        ids, los, starts, ns = (np.array(c, dtype=np.int64) for c in zip(*heads))
+        lens = ns - los
+        tokens = np.concatenate(segments)
+        seg = np.repeat(np.arange(len(lens)), lens)  # the text each token belongs to
+        local = np.arange(len(tokens)) - np.repeat(np.cumsum(lens) - lens, lens)
+        pos = los[seg] + local  # each token's position in its text
+        base = ids[seg] << 32
+        new = pos >= starts[seg]
+        self._ones.add(tokens[new], (base + pos + 1)[new])
+        count = len(tokens) - m + 1  # n-gram windows over the joined tokens: those inside one text
+        if count > 0:
+            inside = local[:count] + m <= lens[seg[:count]]
+            ends = pos[:count] + m
+            fresh = inside & (ends > starts[seg[:count]])
+            self._ends.add(ngram_keys(tokens, m)[fresh], (base[:count] + ends)[fresh])
 
     @property
     def nbytes(self) -> int:

@@ -6,7 +6,8 @@ keys it so). While any of its samples runs, the group's texts live in its ``Grou
 one left (more samples than the engine has slots, the scheduler's probes running one sample
 of each prompt first, a client that sends a prompt's calls one after the other) would find
 nothing there. ``FinishedSamples`` keeps each finished sample's response, and the proposer
-gives them to the group's index when its next sample starts, as ``sibling`` texts. Drafts never change a result: vLLM verifies them (docs/EXACTNESS.md).
+gives them to the group's index when its next sample starts, as ``sibling`` texts. Drafts
+never change a result: vLLM verifies them (docs/EXACTNESS.md).
 
 Memory is bounded: at most ``per_group`` responses a group (the newest), and ``max_tokens``
 tokens in all, the groups used least recently dropped first. A response longer than the whole

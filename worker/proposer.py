@@ -129,6 +129,8 @@ class BubbleSpecProposer:
         self.drafted = 0.0  # draft tokens per step, averaged as the rate's seconds are (the pass without them)
         self._proposed = 0  # draft tokens proposed at the previous step (verified in this one)
         self._proposed_rows = 0  # rows with a draft in that proposal
+        self.proposals = 0  # steps proposed for (one per engine pass), and those with any draft
+        self.drafted_proposals = 0
         self._held_back = False  # whether that proposal held drafts back (cost rule or the pass's veto)
         self.clock = time.perf_counter
         self._rows: set[str] = set()  # request ids of the previous step's batch
@@ -201,7 +203,7 @@ class BubbleSpecProposer:
             generated = token_ids_cpu[i, d.prompt_len:int(num_tokens_no_spec[i])]
             d.keep(generated)  # every row's output joins its group's texts before any row proposes
             live.append((i, d, generated))
-        lengths = self._makespan_lengths(live) if self.makespan and tps > 0 else {}
+        lengths = self._makespan_lengths(live, tps) if self.makespan and tps > 0 else {}
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         for i, d, generated in live:
             drafts[i] = d.propose(generated, cap, tps, lengths.get(i))
@@ -217,6 +219,8 @@ class BubbleSpecProposer:
             self._retire(rid)
         self._proposed = sum(map(len, drafts))
         self._proposed_rows = sum(1 for d in drafts if d)
+        self.proposals += 1
+        self.drafted_proposals += self._proposed > 0
         return drafts
 
     def _net_gain(self, d: RequestDrafter, k: int, tps: float) -> float:
@@ -258,7 +262,7 @@ class BubbleSpecProposer:
         gain = sum(self._net_gain(d, len(drafts[i]), tps) for i, d, _ in live if drafts[i])
         return gain < spec * tps
 
-    def _makespan_lengths(self, live: list[tuple[int, RequestDrafter, np.ndarray]]) -> dict[int, int]:
+    def _makespan_lengths(self, live: list[tuple[int, RequestDrafter, np.ndarray]], tps: float) -> dict[int, int]:
         """Row -> draft length from ``tail_drafts`` for the rows a candidate continues; the pass
         without drafts is the measured step time less what the step's draft tokens cost. A row
         no candidate continues is in the plan too, with what the scheduler predicts it still
@@ -268,7 +272,7 @@ class BubbleSpecProposer:
         for i, d, g in live:
             if d.draft_job:  # the paying rule's length: a job catches up with its own partial draft
                 continue
-            n = d.coverage(g)
+            n = d.coverage(g, self.rule.max_tokens, tps)
             if n > 0:
                 plan.append((i, d, n, 0.0))
             elif d.predicted > len(g):
@@ -316,10 +320,13 @@ class BubbleSpecProposer:
     def draft_cost(self) -> dict:
         """What the paying rule works with now: the draft token's cost in seconds (0: unknown,
         the acceptance rule decides), what each drafted request adds beyond its tokens (0: not
-        told apart), whether they were ``measured`` or ``set``, and the clean steps the
-        measurement has seen."""
+        told apart), what a pass with any draft adds (``spec_seconds``; 0: not measured),
+        whether they were ``measured`` or ``set``, the clean steps the measurement has seen, and
+        the steps proposed for and those given any draft (``proposals``, ``drafted_proposals``)."""
         return {"draft_token_seconds": self.rule.draft_token_seconds,
                 "drafted_request_seconds": self.rule.drafted_request_seconds,
+                "spec_seconds": self.cost_fit.spec_seconds if self.cost_fit is not None else 0.0,
+                "proposals": self.proposals, "drafted_proposals": self.drafted_proposals,
                 "source": "measured" if self.cost_fit is not None else ("set" if self.rule.draft_token_seconds > 0 else "none"),
                 "steps": self.cost_fit.steps if self.cost_fit is not None else 0}
 

@@ -55,6 +55,7 @@ REPEATING = tuple(t for first in range(VOCAB) for t in (3, 4, first, _rng.randra
 """The ``suffix`` source's prompt: for every first token t, the 3-token suffix (3, 4, t) occurs
 in it followed by two tokens, so self-suffix drafting (3-token matches) drafts whatever token
 is sampled first."""
+SOURCES = ("future", "history", "sibling", "suffix")
 BINS = 4
 KS_FLOOR = 0.01
 
@@ -129,7 +130,9 @@ def _settings(model: str, **over) -> EngineSettings:
     return EngineSettings(**base)
 
 
-async def run(reps: int, samples: int, control: bool, seed: int) -> dict[str, SourceResult]:
+async def run(reps: int, samples: int, control: bool, seed: int,
+              sources: list[str] | tuple[str, ...] = ()) -> dict[str, SourceResult]:
+    """Every source of ``sources`` (all where empty), and the control with ``control``."""
     random.seed(seed)
     model = str(build_tiny_model(Path(tempfile.mkdtemp(prefix="ks-model-")) / "tiny"))
     reference = VllmEngine(_settings(model, num_speculative_tokens=0))
@@ -147,6 +150,7 @@ async def run(reps: int, samples: int, control: bool, seed: int) -> dict[str, So
             "sibling": (engine, PROMPT, [[("sibling", s) for s in _group(siblings)]]),
             "suffix": (engine, REPEATING, None),
         }
+        arms = {name: arm for name, arm in arms.items() if not sources or name in sources}
         if unfixed is not None:
             arms["control: future, no sampler fix"] = (unfixed, PROMPT, [greedy])
         # every repetition's samples drawn in one batch per arm (independent requests, so the
@@ -189,11 +193,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--control", action="store_true", help="add the engine without the CPU sampler fix")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write every p-value here (JSON)")
+    p.add_argument("--sources", default=",".join(SOURCES),
+                   help=f"the draft sources to test, comma-separated (of {', '.join(SOURCES)})")
     args = p.parse_args(argv)
+    sources = [s for s in args.sources.split(",") if s]
+    unknown = [s for s in sources if s not in SOURCES]
+    if unknown or not sources:
+        p.error(f"--sources: {', '.join(unknown) or 'none given'}: the sources are {', '.join(SOURCES)}")
     if args.reps < 20:
         p.error("--reps: at least 20 repetitions for a KS test")
     started = time.monotonic()
-    results = asyncio.run(run(args.reps, args.samples, args.control, args.seed))
+    results = asyncio.run(run(args.reps, args.samples, args.control, args.seed, sources))
     print(report(results))
     print(f"{args.reps} repetitions of {args.samples} samples in {time.monotonic() - started:.0f} s")
     if args.out:

@@ -106,3 +106,68 @@ def test_ngram_keys_key_each_window_and_tell_orders_apart() -> None:
     keys = ngram_keys(arr(1, 2, 3, 1, 2, 3, 3, 2, 1), 3)
     assert len(keys) == 7 and keys[0] == keys[3] and keys[0] != keys[6]  # "1 2 3" twice; "3 2 1" differs
     assert ngram_keys(arr(4, 5), 3).tolist() == [] and ngram_keys(arr(4, 5), 1).tolist() == [4, 5]
+
+
+def test_texts_grown_piece_by_piece_index_as_texts_added_whole() -> None:
+    rng = np.random.default_rng(11)
+    for _ in range(30):
+        texts = [rng.integers(0, 5, int(rng.integers(1, 60))) for _ in range(int(rng.integers(1, 5)))]
+        whole, grown = GroupIndex(), GroupIndex()
+        for t in texts:
+            whole.add("sibling", t, finished=True)
+        docs = [grown.add("sibling", (), live=True) for _ in texts]
+        for doc, t in zip(docs, texts):
+            at = 0
+            while at < len(t):  # 1-7 tokens a step, searches in between (each flushes what grew)
+                step = int(rng.integers(1, 8))
+                grown.extend(doc, t[at:at + step])
+                at += step
+                grown.find(rng.integers(0, 5, 4))
+        for doc in docs:
+            grown.finish(doc)
+        for _ in range(20):
+            q = rng.integers(0, 5, int(rng.integers(0, 10)))
+            a, b = whole.find(q), grown.find(q)
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert a[1] == b[1] and np.array_equal(a[0].tokens, b[0].tokens)
+
+
+def test_a_new_sample_starts_from_what_its_groups_drafts_achieved() -> None:
+    from bubblespec.worker.draft_index import DraftLength, RequestDrafter
+
+    rule = DraftLength(max_tokens=4, prior=0.7)
+    group = GroupIndex()
+    group.add("sibling", arr(*range(10, 40)), finished=True)
+    first = RequestDrafter([], rule, group=group)
+    assert first.accepts["sibling"] == 0.7  # nothing seen yet: the rule's prior
+    assert first.propose(arr(10, 11, 12), cap=4) == [13, 14, 15]  # the prior's length
+    first.observe(1)  # none of the three accepted
+    later = RequestDrafter([], rule, group=group)
+    assert later.accepts["sibling"] == group.accept_prior("sibling", 0.7) == 0.0
+    assert later.accepts["future"] == 0.7 and RequestDrafter([], rule).accepts["sibling"] == 0.7  # another source, group
+
+
+def test_a_request_whose_sources_all_collapsed_searches_only_on_probe_steps() -> None:
+    from bubblespec.worker.draft_index import DraftLength, RequestDrafter
+
+    rule = DraftLength(max_tokens=4, prior=0.7, probe_every=8)
+    group = GroupIndex()
+    group.add("sibling", arr(*range(10, 80)), finished=True)
+    d = RequestDrafter([], rule, group=group)
+    searches = []
+    find = group.find
+    group.find = lambda *a, **k: searches.append(1) or find(*a, **k)  # type: ignore[method-assign]
+    assert d.propose(arr(10, 11, 12), cap=4) == [13, 14, 15]
+    d.observe(1)  # rejected: the sibling acceptance falls to 0.49, still above the 0.3 floor
+    assert not d.nothing_pays(4)
+    d.accepts["sibling"] = 0.1  # collapsed
+    searched, held = [], []
+    for i in range(16):  # one step each; the request has left the sibling's text
+        searches.clear()
+        d.propose(arr(10, 11, 12, *([99] * (i + 1))), cap=4)
+        searched.append(bool(searches))
+        held.append(d.held_back)
+        d.observe(1)
+    assert [i for i, x in enumerate(searched) if x] == [7, 15]  # the probe steps (8th and 16th pass) only
+    assert [i for i, x in enumerate(held) if not x] == [7, 15]  # the others held back, as the cost fit must know
