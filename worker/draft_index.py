@@ -273,13 +273,10 @@ class RequestDrafter:
         self.doc: Doc = self.group.add("sibling", (), live=True)  # type: ignore[assignment]  # live: never None
         """This request's own output, a text of the group for its other samples."""
         self.rule = rule
-        self.accepts = {source: self.group.accept_prior(source, rule.prior) for source in SOURCES}
+        self.accepts = dict.fromkeys(SOURCES, rule.prior)
         """Acceptance average by draft source, kept apart: a sibling that runs in step with
         the request (greedy decoding makes every sample the same) only matches the request's
-        own past, and its rejected proposals must not shorten a stored draft that is accepted.
-        It starts at the group's average of what its samples' drafts of that source achieved
-        (``GroupIndex.accept_prior``), ``rule.prior`` where none was seen: a group whose
-        samples diverge (sampled text) does not draft each new sample's first tokens on hope."""
+        own past, and its rejected proposals must not shorten a stored draft that is accepted."""
         self.stats = RequestStats()
         self._cursor: tuple[Candidate, int] | None = None  # (candidate followed, position in it)
         self._seen = 0  # generated tokens already folded into the cursor
@@ -314,7 +311,6 @@ class RequestDrafter:
         self.stats.accepted[source] += accepted
         rate = accepted / drafted
         self.accepts[source] = (1 - self.rule.ema) * self.accepts[source] + self.rule.ema * rate
-        self.group.observe(source, rate, self.rule.ema)
         self._last = None
 
     @property

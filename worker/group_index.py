@@ -120,7 +120,6 @@ class GroupIndex:
         self.indexed = 0
         """Tokens in the tables, those of dropped texts included until they are rebuilt."""
         self._dropped = 0
-        self._accepts: dict[str, float] = {}  # by draft source: the average over the group's samples
         self._sources: tuple[int, dict[str, int]] = (-1, {})  # (version, texts with a token by source)
 
     def sources(self, exclude: Doc | None = None) -> set[str]:
@@ -134,16 +133,6 @@ class GroupIndex:
             self._sources = (self.version, counts)
         mine = exclude.candidate.source if exclude is not None and exclude.n and exclude.id in self._docs else None
         return {s for s, n in counts.items() if n > (s == mine)}
-
-    def observe(self, source: str, rate: float, ema: float) -> None:
-        """One of the group's samples verified a draft of ``source``; ``rate`` of it was accepted."""
-        old = self._accepts.get(source)
-        self._accepts[source] = rate if old is None else (1 - ema) * old + ema * rate
-
-    def accept_prior(self, source: str, default: float) -> float:
-        """Where a new sample's acceptance average of ``source`` starts: what the group's samples
-        saw (``observe``), ``default`` before any."""
-        return self._accepts.get(source, default)
 
     def add(self, source: str, tokens: Iterable[int] | np.ndarray, *, live: bool = False,
             finished: bool = False) -> Doc | None:

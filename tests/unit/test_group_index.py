@@ -133,21 +133,6 @@ def test_texts_grown_piece_by_piece_index_as_texts_added_whole() -> None:
                 assert a[1] == b[1] and np.array_equal(a[0].tokens, b[0].tokens)
 
 
-def test_a_new_sample_starts_from_what_its_groups_drafts_achieved() -> None:
-    from bubblespec.worker.draft_index import DraftLength, RequestDrafter
-
-    rule = DraftLength(max_tokens=4, prior=0.7)
-    group = GroupIndex()
-    group.add("sibling", arr(*range(10, 40)), finished=True)
-    first = RequestDrafter([], rule, group=group)
-    assert first.accepts["sibling"] == 0.7  # nothing seen yet: the rule's prior
-    assert first.propose(arr(10, 11, 12), cap=4) == [13, 14, 15]  # the prior's length
-    first.observe(1)  # none of the three accepted
-    later = RequestDrafter([], rule, group=group)
-    assert later.accepts["sibling"] == group.accept_prior("sibling", 0.7) == 0.0
-    assert later.accepts["future"] == 0.7 and RequestDrafter([], rule).accepts["sibling"] == 0.7  # another source, group
-
-
 def test_a_request_whose_sources_all_collapsed_searches_only_on_probe_steps() -> None:
     from bubblespec.worker.draft_index import DraftLength, RequestDrafter
 
