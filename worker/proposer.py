@@ -325,7 +325,7 @@ class BubbleSpecProposer:
         the steps proposed for and those given any draft (``proposals``, ``drafted_proposals``)."""
         return {"draft_token_seconds": self.rule.draft_token_seconds,
                 "drafted_request_seconds": self.rule.drafted_request_seconds,
-                "spec_seconds": self.cost_fit.spec_seconds if self.cost_fit is not None else 0.0,
+                "spec_seconds": max(0.0, self.cost_fit.spec_seconds) if self.cost_fit is not None else 0.0,
                 "proposals": self.proposals, "drafted_proposals": self.drafted_proposals,
                 "source": "measured" if self.cost_fit is not None else ("set" if self.rule.draft_token_seconds > 0 else "none"),
                 "steps": self.cost_fit.steps if self.cost_fit is not None else 0}
