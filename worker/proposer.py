@@ -5,7 +5,9 @@ How drafts reach this code: the BubbleSpec worker puts each request's candidates
 every worker process (single process, multiprocess, tensor-parallel ranks alike), so each
 rank's proposer sees the same candidates (and which drafts count: "Draft length" below).
 Sibling candidates are read live from the batch: rows whose prompt is identical and that run
-under the same LoRA adapter version (``adapter``; none for the base model).
+under the same LoRA adapter version (``adapter``; none for the base model) and weights. Each
+such group's texts (its requests' candidates, its rows' outputs, its finished responses) are
+indexed once, in its ``GroupIndex`` (``worker/group_index.py``), while any of its rows runs.
 
 The proposer needs the model runner (to map batch rows to requests). vLLM builds the proposer
 before the runner exists as an attribute, so the worker calls ``collective_rpc
