@@ -202,6 +202,10 @@ class GroupIndex:
         self.version += 1
         if doc in self._finished:
             self._finished.remove(doc)
+        if not doc.live:  # a fixed text: its content no longer stands for a text held
+            key = (doc.n, hash(doc.candidate.tokens.tobytes()))
+            if self._kept.get(key) is doc:
+                del self._kept[key]
         self._dropped += doc.n
         if self._dropped * 2 > self.indexed:
             self._rebuild()
@@ -307,11 +311,6 @@ class GroupIndex:
             ends = pos[:count] + m
             fresh = inside & (ends > starts[seg[:count]])
             self._ends.add(ngram_keys(tokens, m)[fresh], (base[:count] + ends)[fresh])
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the two tables (the texts' tokens not counted)."""
-        return self._ones.nbytes + self._ends.nbytes
 
     def _rebuild(self) -> None:
         self._ends, self._ones, self.indexed, self._dropped = PositionTable(), PositionTable(), 0, 0

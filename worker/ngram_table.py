@@ -57,10 +57,6 @@ class PositionTable:
         self.n = 0
         """Entries held."""
 
-    @property
-    def nbytes(self) -> int:
-        return self._head.nbytes + self._key.nbytes + self._val.nbytes + self._next.nbytes
-
     def add(self, keys: np.ndarray, values: np.ndarray) -> None:
         """Add ``values[i]`` under ``keys[i]``, in order (the last is the newest)."""
         k = len(keys)

@@ -156,3 +156,11 @@ def test_a_request_whose_sources_all_collapsed_searches_only_on_probe_steps() ->
         d.observe(1)
     assert [i for i, x in enumerate(searched) if x] == [7, 15]  # the probe steps (8th and 16th pass) only
     assert [i for i, x in enumerate(held) if not x] == [7, 15]  # the others held back, as the cost fit must know
+
+
+def test_a_dropped_text_is_not_held_by_the_content_map() -> None:
+    group = GroupIndex(GroupRule(max_finished=2))
+    for i in range(10):
+        group.add("sibling", np.arange(50) + i, finished=True)
+    assert len(group._kept) == len(group.candidates()) == 2  # the dropped texts' buffers are free
+    assert group.add("sibling", np.arange(50), finished=True) is not None  # gone, so new again
