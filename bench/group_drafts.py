@@ -4,7 +4,8 @@ temperature 1 gain from each other (``python -m bubblespec.bench.group_drafts``)
 The bench (``bubblespec bench``) decodes greedily, so a prompt's samples are one text and
 grouped drafts have nothing to choose between. Here each of ``--prompts`` prompts of the bench's
 RLVR task (its trained model, ``bench/rlvr.py``; ``--min-terms`` terms or more, for answers of
-a few hundred tokens; fresh prompts every round and arm) is sampled ``--samples`` times at
+a few hundred tokens; fresh prompts every round, the same for both arms of a round, the
+engine's kept samples and prefix cache dropped before each arm) is sampled ``--samples`` times at
 ``--temperature``, each sample with its own seed, all sent together; the only drafts are what
 the engine's proposer finds in the group (running and finished samples, and with
 ``--self-suffix`` the sample's own text): no stored drafts. Two arms on the same engine, in
@@ -39,9 +40,10 @@ async def one_round(engine: VllmEngine, prompts: list[tuple[int, ...]], samples:
             final = out
         return final
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _cpu_seconds()
     outs = await asyncio.gather(*(one(p, s) for p in range(len(prompts)) for s in range(samples)))
     seconds = time.perf_counter() - t0
+    cpu = [b - a for a, b in zip(cpu0, _cpu_seconds(), strict=True)]
     tokens = sum(len(o.token_ids) for o in outs)
     passes = sum(o.provenance.forward_passes for o in outs)
     by_source: dict[str, list[int]] = {}
@@ -50,7 +52,24 @@ async def one_round(engine: VllmEngine, prompts: list[tuple[int, ...]], samples:
             acc = by_source.setdefault(src.source, [0, 0])
             acc[0] += src.drafted_tokens
             acc[1] += src.accepted_tokens
-    return {"seconds": seconds, "tokens": tokens, "passes": passes, "by_source": by_source}
+    return {"seconds": seconds, "tokens": tokens, "passes": passes, "by_source": by_source, "cpu": cpu}
+
+
+def _cpu_seconds() -> tuple[float, float]:
+    """CPU seconds used so far by this process (the client and ``VllmEngine``'s side) and by
+    its child processes (vLLM's engine core, where the proposer runs)."""
+    import psutil
+
+    me = psutil.Process()
+    children = 0.0
+    for child in me.children(recursive=True):
+        try:
+            t = child.cpu_times()
+            children += t.user + t.system
+        except psutil.NoSuchProcess:
+            continue
+    t = me.cpu_times()
+    return t.user + t.system, children
 
 
 async def run(args) -> int:
@@ -60,8 +79,8 @@ async def run(args) -> int:
     model = await workload_model(print, RLVR_MODEL_DIR)
     task = TaskSettings(min_terms=args.min_terms, max_terms=max(args.min_terms, TaskSettings.max_terms))
 
-    def prompts_of(r: int, on: bool) -> list[tuple[int, ...]]:  # fresh each round and arm: no earlier finished sample
-        return [tuple(encode(p)) for p in make_prompts(args.prompts, seed=args.seed * 1000 + 2 * r + on, settings=task)]
+    def prompts_of(r: int) -> list[tuple[int, ...]]:  # fresh each round, the same for both arms of a round
+        return [tuple(encode(p)) for p in make_prompts(args.prompts, seed=args.seed * 1000 + r, settings=task)]
 
     engine = VllmEngine(EngineSettings(model=model, max_model_len=1024, max_num_seqs=args.prompts * args.samples,
                                        num_speculative_tokens=args.num_speculative_tokens,
@@ -70,18 +89,22 @@ async def run(args) -> int:
     sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     rows: dict[bool, list[dict]] = {False: [], True: []}
     try:
-        await one_round(engine, prompts_of(-1, True)[:1], 2, sp, True, "warm")
+        await one_round(engine, prompts_of(-1)[:1], 2, sp, True, "warm")
         for r in range(args.rounds):
             for on in [a for a in ((False, True) if r % 2 == 0 else (True, False)) if args.only in ("", "on" if a else "off")]:
+                # the other arm's finished samples must not be this one's drafts, nor its KV this one's prefix hits
+                await engine.control("reset_prefix_cache", {})
                 before = await engine.draft_cost()
-                row = await one_round(engine, prompts_of(r, on), args.samples, sp, on, f"r{r}-{int(on)}")
+                row = await one_round(engine, prompts_of(r), args.samples, sp, on, f"r{r}-{int(on)}")
                 after = await engine.draft_cost()
                 rows[on].append(row)
                 drafted = after.get("drafted_proposals", 0) - before.get("drafted_proposals", 0)
                 steps = after.get("proposals", 0) - before.get("proposals", 0)
+                skipped = after.get("skipped_proposals", 0) - before.get("skipped_proposals", 0)
                 src = ", ".join(f"{s} {a}/{d}" for s, (d, a) in sorted(row["by_source"].items())) or "-"
                 print(f"round {r + 1} drafts {'on ' if on else 'off'}: {row['seconds']:6.2f} s, {row['tokens']} tokens, "
-                      f"{row['passes'] / row['tokens']:.3f} passes a token, {drafted} of {steps} engine steps drafted; "
+                      f"{row['passes'] / row['tokens']:.3f} passes a token, {drafted} of {steps} engine steps drafted "
+                      f"({skipped} without a search); CPU s here / engine {row['cpu'][0]:.1f} / {row['cpu'][1]:.1f}; "
                       f"accepted/drafted by source: {src}")
         cost = await engine.draft_cost()
     finally:
@@ -92,9 +115,13 @@ async def run(args) -> int:
     on_s = statistics.median(r["seconds"] for r in rows[True])
     off_p = statistics.median(r["passes"] / r["tokens"] for r in rows[False])
     on_p = statistics.median(r["passes"] / r["tokens"] for r in rows[True])
+    paired = statistics.median(off["seconds"] / on["seconds"] for off, on in zip(rows[False], rows[True], strict=True))
+    rate = statistics.median((on["tokens"] / on["seconds"]) / (off["tokens"] / off["seconds"])
+                             for off, on in zip(rows[False], rows[True], strict=True))
     print(f"{args.prompts} prompts x {args.samples} samples at temperature {args.temperature:g}, up to "
           f"{args.max_tokens} tokens, {args.rounds} rounds: drafts off {off_s:.2f} s, {off_p:.3f} passes a token; "
-          f"on {on_s:.2f} s ({off_s / on_s:.2f}x), {on_p:.3f} passes a token ({on_p / off_p:.2f}x) (medians)")
+          f"on {on_s:.2f} s ({off_s / on_s:.2f}x), {on_p:.3f} passes a token ({on_p / off_p:.2f}x) (medians); "
+          f"by round (same prompts): time {paired:.2f}x, tokens/s {rate:.2f}x (medians)")
     print(f"the engine's draft costs at the end ({cost.get('source')}, {cost.get('steps')} clean passes): "
           f"{cost.get('draft_token_seconds', 0) * 1e6:.1f} us a draft token, "
           f"{cost.get('drafted_request_seconds', 0) * 1e6:.1f} us a drafted request, "

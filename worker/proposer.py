@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from bubblespec.worker.draft_cost import DraftCostFit
-from bubblespec.worker.draft_index import Candidate, DraftLength, RequestDrafter, StepRate, SuffixRule
+from bubblespec.worker.draft_index import Candidate, DraftLength, RequestDrafter, SearchBackoff, StepRate, SuffixRule
 from bubblespec.worker.group_index import GroupIndex
 from bubblespec.worker.groups import FinishedSamples
 from bubblespec.worker.tail_drafts import makespan_draft_tokens
@@ -128,6 +128,8 @@ class BubbleSpecProposer:
         self.suffix = SuffixRule(enabled=bool(extra.get("self_suffix", False)))
         self.makespan = bool(extra.get("makespan", False))  # tail_drafts, with the paying rule
         self.rate = StepRate()  # the batch's tokens/s, for the paying rule
+        self.backoff = SearchBackoff(self.rule.probe_every)  # steps without a search after fruitless ones
+        self.skipped = 0  # steps proposed for without a search (SearchBackoff)
         self.drafted = 0.0  # draft tokens per step, averaged as the rate's seconds are (the pass without them)
         self._proposed = 0  # draft tokens proposed at the previous step (verified in this one)
         self._proposed_rows = 0  # rows with a draft in that proposal
@@ -195,6 +197,8 @@ class BubbleSpecProposer:
         cap = self.rule.batch_cap(len(req_ids))
         rows = {rid: i for i, rid in enumerate(req_ids)}
         tps = self._measure(rows, sampled_token_ids)
+        if any(rid not in self.drafters for rid in req_ids):
+            self.backoff.reset()  # a new request may bring drafts, or continue where others ran
         drafters = {rid: self._drafter(rid) for rid in req_ids}
         live: list[tuple[int, RequestDrafter, np.ndarray]] = []
         for i, sampled in enumerate(sampled_token_ids):
@@ -205,6 +209,8 @@ class BubbleSpecProposer:
             generated = token_ids_cpu[i, d.prompt_len:int(num_tokens_no_spec[i])]
             d.keep(generated)  # every row's output joins its group's texts before any row proposes
             live.append((i, d, generated))
+        if self.backoff.skip():
+            return self._nothing_proposed(len(sampled_token_ids), rows)
         lengths = self._makespan_lengths(live, tps) if self.makespan and tps > 0 else {}
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         for i, d, generated in live:
@@ -223,7 +229,18 @@ class BubbleSpecProposer:
         self._proposed_rows = sum(1 for d in drafts if d)
         self.proposals += 1
         self.drafted_proposals += self._proposed > 0
+        self.backoff.searched(self._proposed > 0)
         return drafts
+
+    def _nothing_proposed(self, n: int, rows: dict[str, int]) -> list[list[int]]:
+        """A step whose search is skipped (``SearchBackoff``): no row drafts. Whether drafts
+        were held back stays as the last search found it (the cost fit's expiry counts on)."""
+        for rid in [r for r in self.drafters if r not in rows]:
+            self._retire(rid)
+        self._proposed = self._proposed_rows = 0
+        self.proposals += 1
+        self.skipped += 1
+        return [[] for _ in range(n)]
 
     def _net_gain(self, d: RequestDrafter, k: int, tps: float) -> float:
         """Expected tokens ``k`` draft tokens of ``d`` gain a pass, less what they cost in the
@@ -324,11 +341,13 @@ class BubbleSpecProposer:
         the acceptance rule decides), what each drafted request adds beyond its tokens (0: not
         told apart), what a pass with any draft adds (``spec_seconds``; 0: not measured),
         whether they were ``measured`` or ``set``, the clean steps the measurement has seen, and
-        the steps proposed for and those given any draft (``proposals``, ``drafted_proposals``)."""
+        the steps proposed for, those given any draft and those that skipped the search
+        (``proposals``, ``drafted_proposals``, ``skipped_proposals``: ``SearchBackoff``)."""
         return {"draft_token_seconds": self.rule.draft_token_seconds,
                 "drafted_request_seconds": self.rule.drafted_request_seconds,
                 "spec_seconds": max(0.0, self.cost_fit.spec_seconds) if self.cost_fit is not None else 0.0,
                 "proposals": self.proposals, "drafted_proposals": self.drafted_proposals,
+                "skipped_proposals": self.skipped,
                 "source": "measured" if self.cost_fit is not None else ("set" if self.rule.draft_token_seconds > 0 else "none"),
                 "steps": self.cost_fit.steps if self.cost_fit is not None else 0}
 
