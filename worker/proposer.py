@@ -128,7 +128,7 @@ class BubbleSpecProposer:
         self.suffix = SuffixRule(enabled=bool(extra.get("self_suffix", False)))
         self.makespan = bool(extra.get("makespan", False))  # tail_drafts, with the paying rule
         self.rate = StepRate()  # the batch's tokens/s, for the paying rule
-        self.backoff = SearchBackoff(self.rule.probe_every)  # steps without a search after fruitless ones
+        self.backoff = SearchBackoff()  # steps without a search after fruitless ones
         self.skipped = 0  # steps proposed for without a search (SearchBackoff)
         self.drafted = 0.0  # draft tokens per step, averaged as the rate's seconds are (the pass without them)
         self._proposed = 0  # draft tokens proposed at the previous step (verified in this one)
