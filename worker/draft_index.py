@@ -165,8 +165,10 @@ class SearchBackoff:
     draft the next one skips the search, after two in a row the next two, and so on, doubling
     up to ``most``; a proposal that sends a draft, or a request that joins the batch (with
     stored drafts, or a group's new sample), searches again at once. (Not one that leaves it:
-    in a large batch one leaves at almost every step.) Skipped steps only keep their rows'
-    outputs in their groups' texts: what is proposed changes, never what is accepted."""
+    in a large batch one leaves at almost every step.) A skipped step leaves out the group
+    search only: its rows' outputs still join their groups' texts, and a row still drafts from
+    its own text (``SuffixRule``, a lookup of its own). What is proposed changes, never what is
+    accepted."""
 
     most: int = 16
     """The longest run of steps skipped in a row."""
@@ -400,12 +402,14 @@ class RequestDrafter:
         pos = self._advance(generated)
         return 0 if pos is None else max(0, len(pos[0].tokens) - pos[1])
 
-    def propose(self, generated: np.ndarray, cap: int, tokens_per_second: float = 0.0, k: int | None = None) -> list[int]:
+    def propose(self, generated: np.ndarray, cap: int, tokens_per_second: float = 0.0, k: int | None = None,
+                search: bool = True) -> list[int]:
         """Draft tokens to follow ``generated`` (this request's output so far): from a
         candidate where one continues it, else from the request's own text (``SuffixRule``).
         ``tokens_per_second``: the batch's rate, for the paying rule (``DraftLength``); ``k``: a
         length decided for the batch (``tail_drafts``) instead of the rule's, for the candidate
-        that continues the request (then nothing comes from the request's own text)."""
+        that continues the request (then nothing comes from the request's own text);
+        ``search`` False: no candidate is looked for (``SearchBackoff``), only the own text."""
         if self._suffix is not None:
             self._sync_suffix(generated)
         if len(generated) < self.min_tokens:
@@ -418,7 +422,9 @@ class RequestDrafter:
             k = None if k is None else min(k, most)
         decided = k is not None
         self.held_back = False
-        if k is None and cap > 0 and self.nothing_pays(cap, tokens_per_second):
+        if not search:
+            pos = None
+        elif k is None and cap > 0 and self.nothing_pays(cap, tokens_per_second):
             pos = None  # a search could only find a candidate the rule would not draft from
             self.held_back = bool(self.group.sources(exclude=self.doc))
         else:

@@ -209,13 +209,13 @@ class BubbleSpecProposer:
             generated = token_ids_cpu[i, d.prompt_len:int(num_tokens_no_spec[i])]
             d.keep(generated)  # every row's output joins its group's texts before any row proposes
             live.append((i, d, generated))
-        if self.backoff.skip():
-            return self._nothing_proposed(len(sampled_token_ids), rows)
-        lengths = self._makespan_lengths(live, tps) if self.makespan and tps > 0 else {}
+        search = not self.backoff.skip()  # the group's texts; a request's own text is always looked up
+        lengths = self._makespan_lengths(live, tps) if search and self.makespan and tps > 0 else {}
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         for i, d, generated in live:
-            drafts[i] = d.propose(generated, cap, tps, lengths.get(i))
-        self._held_back = any(d.held_back for _, d, _ in live)
+            drafts[i] = d.propose(generated, cap, tps, lengths.get(i), search=search)
+        # a skipped search holds back what the last one did (the cost fit's expiry counts on)
+        self._held_back = any(d.held_back for _, d, _ in live) or (not search and self._held_back)
         if self._withdraw_rows_that_do_not_pay(live, drafts, tps, lengths):
             self._held_back = True
         if self._drafts_do_not_pay_for_the_pass(live, drafts, tps):
@@ -229,18 +229,11 @@ class BubbleSpecProposer:
         self._proposed_rows = sum(1 for d in drafts if d)
         self.proposals += 1
         self.drafted_proposals += self._proposed > 0
-        self.backoff.searched(self._proposed > 0)
+        if search:
+            self.backoff.searched(self._proposed > 0)
+        else:
+            self.skipped += 1
         return drafts
-
-    def _nothing_proposed(self, n: int, rows: dict[str, int]) -> list[list[int]]:
-        """A step whose search is skipped (``SearchBackoff``): no row drafts. Whether drafts
-        were held back stays as the last search found it (the cost fit's expiry counts on)."""
-        for rid in [r for r in self.drafters if r not in rows]:
-            self._retire(rid)
-        self._proposed = self._proposed_rows = 0
-        self.proposals += 1
-        self.skipped += 1
-        return [[] for _ in range(n)]
 
     def _net_gain(self, d: RequestDrafter, k: int, tps: float) -> float:
         """Expected tokens ``k`` draft tokens of ``d`` gain a pass, less what they cost in the

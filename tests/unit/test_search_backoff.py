@@ -5,6 +5,8 @@ test_finished_siblings.py (no vLLM)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from bubblespec.worker.draft_index import SearchBackoff
@@ -72,3 +74,20 @@ def test_a_joining_request_and_a_drafting_proposal_search_at_once(monkeypatch) -
         b.step()
         steps += 1
     assert steps >= 2 and b.proposer.skipped == skipped  # each of those proposals drafted: none skipped
+
+
+def test_a_request_drafts_from_its_own_text_in_steps_that_skip_the_search() -> None:
+    b = Batch()
+    b.proposer.suffix = replace(b.proposer.suffix, enabled=True)
+    # 40 tokens that repeat nothing, then a 4-token pattern over and over
+    answer = np.concatenate([np.arange(500, 540), np.tile([11, 12, 13, 14], 40)])
+    b.add("alone", prompt=(1, 2, 3), answer=answer)  # no other text in its group: every search is fruitless
+    drafted_at = []
+    while b.batch.req_ids:
+        b.step()
+        drafted_at.append(bool(b.state["alone"]["draft"]))
+    p = b.proposer
+    assert p.skipped > 0  # the group search backed off while the output repeated nothing
+    repeating = drafted_at[40:]  # one token a step until the pattern recurs
+    start = repeating.index(True)
+    assert start <= 12 and all(repeating[start:-1])  # then its own text drafts every step, skipped or not
