@@ -130,6 +130,7 @@ class BubbleSpecProposer:
         self.rate = StepRate()  # the batch's tokens/s, for the paying rule
         self.backoff = SearchBackoff()  # steps without a search after fruitless ones
         self.skipped = 0  # steps proposed for without a search (SearchBackoff)
+        self._batch: set[str] = set()  # request ids of the last proposal's batch (drafts off or on)
         self.drafted = 0.0  # draft tokens per step, averaged as the rate's seconds are (the pass without them)
         self._proposed = 0  # draft tokens proposed at the previous step (verified in this one)
         self._proposed_rows = 0  # rows with a draft in that proposal
@@ -197,8 +198,9 @@ class BubbleSpecProposer:
         cap = self.rule.batch_cap(len(req_ids))
         rows = {rid: i for i, rid in enumerate(req_ids)}
         tps = self._measure(rows, sampled_token_ids)
-        if any(rid not in self.drafters for rid in req_ids):
+        if not self._batch.issuperset(req_ids):
             self.backoff.reset()  # a new request may bring drafts, or continue where others ran
+        self._batch = set(req_ids)
         drafters = {rid: self._drafter(rid) for rid in req_ids}
         live: list[tuple[int, RequestDrafter, np.ndarray]] = []
         for i, sampled in enumerate(sampled_token_ids):

@@ -91,3 +91,18 @@ def test_a_request_drafts_from_its_own_text_in_steps_that_skip_the_search() -> N
     repeating = drafted_at[40:]  # one token a step until the pattern recurs
     start = repeating.index(True)
     assert start <= 12 and all(repeating[start:-1])  # then its own text drafts every step, skipped or not
+
+
+def test_a_request_with_drafts_off_beside_them_does_not_keep_the_search_on(monkeypatch) -> None:
+    calls = _counting_finds(monkeypatch)
+    rng = np.random.default_rng(4)
+    b = Batch()
+    for i in range(8):
+        b.add(f"r{i}", answer=np.concatenate([[7], rng.permutation(np.arange(1000 + 60 * i, 1060 + 60 * i))]))
+    b.add("off", answer=np.arange(2000, 2061))
+    b.requests["off"].sampling_params.extra_args["bubblespec"]["enabled"] = False  # the proposer keeps no drafter for it
+    steps = 0
+    while b.batch.req_ids:
+        b.step()
+        steps += 1
+    assert b.proposer.skipped > 0.8 * steps and calls[0] <= 8 * (steps - b.proposer.skipped)
