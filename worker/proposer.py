@@ -130,7 +130,6 @@ class BubbleSpecProposer:
         self.rate = StepRate()  # the batch's tokens/s, for the paying rule
         self.backoff = SearchBackoff()  # steps without a search after fruitless ones
         self.skipped = 0  # steps proposed for without a search (SearchBackoff)
-        self._batch: set[str] = set()  # request ids of the last proposal's batch (drafts off or on)
         self.drafted = 0.0  # draft tokens per step, averaged as the rate's seconds are (the pass without them)
         self._proposed = 0  # draft tokens proposed at the previous step (verified in this one)
         self._proposed_rows = 0  # rows with a draft in that proposal
@@ -138,7 +137,7 @@ class BubbleSpecProposer:
         self.drafted_proposals = 0
         self._held_back = False  # whether that proposal held drafts back (cost rule or the pass's veto)
         self.clock = time.perf_counter
-        self._rows: set[str] = set()  # request ids of the previous step's batch
+        self._rows: set[str] = set()  # request ids of the previous step's batch (drafts off or on)
         self.cost_fit: DraftCostFit | None = None  # measures the draft token's cost where no setting gives it
         self._pass_started: float | None = None  # clock at the entry of the runner's execute_model (attach)
         if self.rule.draft_token_seconds > 0:
@@ -198,9 +197,9 @@ class BubbleSpecProposer:
         cap = self.rule.batch_cap(len(req_ids))
         rows = {rid: i for i, rid in enumerate(req_ids)}
         tps = self._measure(rows, sampled_token_ids)
-        if not self._batch.issuperset(req_ids):
+        if not self._rows.issuperset(rows):
             self.backoff.reset()  # a new request may bring drafts, or continue where others ran
-        self._batch = set(req_ids)
+        self._rows = set(rows)
         drafters = {rid: self._drafter(rid) for rid in req_ids}
         live: list[tuple[int, RequestDrafter, np.ndarray]] = []
         for i, sampled in enumerate(sampled_token_ids):
@@ -300,16 +299,16 @@ class BubbleSpecProposer:
         return {i: int(x) for (i, _, n, _), x in zip(plan, k) if n > 0}
 
     def _measure(self, rows: dict[str, int], sampled_token_ids: list[list[int]]) -> float:
-        """Fold this step into the batch's tokens/s (and, measuring, into the draft token's
-        cost) and return the rate: 0 while the paying rule cannot act (no cost known, no rate
-        yet). Nothing is measured where neither a cost is set nor one is being measured."""
+        """Fold this step (its batch ``rows``; ``self._rows``: the previous step's) into the
+        batch's tokens/s (and, measuring, into the draft token's cost) and return the rate: 0
+        while the paying rule cannot act (no cost known, no rate yet). Nothing is measured where
+        neither a cost is set nor one is being measured."""
         if self.rule.draft_token_seconds <= 0 and self.cost_fit is None:
             return 0.0
         now = self.clock()
         continued = not self._rows.isdisjoint(rows)
         # a clean step for the cost fit: no request joined (no prefill in it) and every row sampled
         clean = continued and self._rows.issuperset(rows) and all(len(s) for s in sampled_token_ids)
-        self._rows = set(rows)
         self.rate.observe(sum(len(s) for s in sampled_token_ids), now, continued)
         if continued:  # the step just measured verified what was proposed at the one before
             self.drafted += self.rate.ema * (self._proposed - self.drafted)
