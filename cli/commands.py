@@ -34,6 +34,7 @@ def _scheduler_settings(a: argparse.Namespace, **over) -> SchedulerSettings:
                   tls_client_ca_file=a.tls_client_ca_file, default_policy=a.default_policy,
                   default_logprobs_mode=a.default_logprobs_mode,
                   redis_tls_ca_file=a.redis_tls_ca_file, orphan_grace_seconds=a.orphan_grace_seconds,
+                  http_keep_alive_seconds=a.http_keep_alive_seconds,
                   journal_redis_url=a.journal_redis_url, journal_secret=a.journal_secret,
                   journal_finished_ttl_seconds=a.journal_finished_ttl_seconds,
                   weight_transfer_backend=getattr(a, "weight_transfer_backend", "") or None,

@@ -153,11 +153,11 @@ class _SchedulerProcess:
     """The real scheduler in a child process; reads its memory and CPU from /proc."""
 
     def __init__(self, redis_url: str, keep_steps: int, trace_memory: bool = False,
-                 length_history: int = 200_000) -> None:
+                 length_history: int = 200_000, keep_alive_seconds: float = 5.0) -> None:
         self._trace = tempfile.NamedTemporaryFile(  # noqa: SIM115 - the child writes it; removed once read
             prefix="bubblespec-loadtest-trace-", suffix=".txt", delete=False)
         self.config = {"redis_url": redis_url, "keep_steps": keep_steps, "length_history": length_history,
-                       "trace_file": self._trace.name if trace_memory else ""}
+                       "keep_alive_seconds": keep_alive_seconds, "trace_file": self._trace.name if trace_memory else ""}
         self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - the child writes it; removed in stop()
             prefix="bubblespec-loadtest-scheduler-", suffix=".log", delete=False)
         self.proc: subprocess.Popen | None = None
@@ -239,6 +239,7 @@ async def _serve_child(config: dict) -> None:
 
     settings = SchedulerSettings(host="127.0.0.1", grpc_port=0, http_port=0, redis_url=config["redis_url"],
                                  journal_secret=secrets.token_hex(16),  # journal on: part of the measured path
+                                 http_keep_alive_seconds=config["keep_alive_seconds"],
                                  core=CoreSettings(keep_steps=config["keep_steps"],
                                                    max_length_history=config["length_history"]))
     scheduler = Scheduler(settings)
@@ -410,7 +411,8 @@ class _Harness:
         else:
             self.redis = _RedisProcess()
             self.redis_url = self.redis.start()
-        self.scheduler = _SchedulerProcess(self.redis_url, s.keep_steps, s.trace_memory, s.length_history)
+        self.scheduler = _SchedulerProcess(self.redis_url, s.keep_steps, s.trace_memory, s.length_history,
+                                           s.keep_alive_seconds)
         await self.scheduler.start()
         if s.worker_store not in ("redis", "memory", "none"):
             raise ValueError(f"worker_store must be 'redis', 'memory' or 'none', got {s.worker_store!r}")
@@ -755,7 +757,9 @@ def add_parser(sub, add) -> None:
                                 "--median-tokens 8 --max-tokens 32 --worker-store memory)"),
                        ("connections", "HTTP mode: concurrent connections, one call each per round"),
                        ("rounds", "HTTP mode: rounds"), ("choices", "HTTP mode: choices per call (n)"),
-                       ("client-processes", "HTTP mode: processes running the HTTP clients")):
+                       ("client-processes", "HTTP mode: processes running the HTTP clients"),
+                       ("keep-alive-seconds", "HTTP mode: the scheduler closes a connection idle this long; the "
+                                              "clients reopen one idle 3 s less (the service's default: 5)")):
         add(p, name, getattr(d, name.replace("-", "_")), help)
     add(p, "json", "", "also write the results as JSON to this path")
 

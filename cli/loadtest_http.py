@@ -7,7 +7,7 @@ round and waits for its answer; a round ends when every connection has its answe
 run in ``client_processes`` processes of their own (``python -m bubblespec.cli.loadtest_http
 '<config>'``; HTTP/1.1 on asyncio's streams, no client library: ``_Clients``), a keep-alive
 connection each, opened before the first round and opened anew by a call that finds it idle
-over ``KEEPALIVE_SECONDS``, which the load-test process drives over
+near the scheduler's keep-alive (``KEEP_ALIVE_MARGIN_SECONDS``), which the load-test process drives over
 stdin/stdout like the worker processes (``loadtest_workers.ChildProcesses``). A call: a token-id prompt
 unique to its connection and round (no tokenizer needed, no two calls grouped), temperature 1,
 ``max_tokens``, a seed, ``n`` = ``choices``, ``return_token_ids``. A 429 is counted and retried
@@ -62,15 +62,16 @@ from bubblespec.cli.loadtest import (
 )
 from bubblespec.cli.loadtest_workers import ChildProcesses, prompt_key
 
-__all__ = ["HTTP_ENGINE", "KEEPALIVE_SECONDS", "RoundRecord", "http_loadtest", "http_settings", "run_http_loadtest"]
+__all__ = ["HTTP_ENGINE", "KEEP_ALIVE_MARGIN_SECONDS", "RoundRecord", "http_loadtest", "http_settings", "run_http_loadtest"]
 
 WARM_UP_ROUNDS = 5
 """With ``--trace-memory``, the scheduler's allocations are compared with a snapshot taken after
 this many rounds (the middle of the memory verdict's rounds 3-7)."""
-KEEPALIVE_SECONDS = 2.0
-"""The clients close a connection idle this long. uvicorn (the scheduler's HTTP server) closes one
-idle 5 s, and under load it closes some just as a call comes on them: at 4 s, with the clients'
-loop seconds late at times, thousands of calls a round failed so (``ServerDisconnectedError``)."""
+KEEP_ALIVE_MARGIN_SECONDS = 3.0
+"""The clients reopen a connection idle this much less than the scheduler keeps one
+(``LoadSettings.keep_alive_seconds``): under load the server closed some just as a call came on
+them, and with a margin of 1 s (the clients' loop seconds late at times) thousands of calls a
+round failed so (``ServerDisconnectedError``)."""
 HTTP_ENGINE = {"step_seconds": 0.002, "batch_slope_seconds": 0.0, "median_tokens": 8, "max_tokens": 32,
                "worker_store": "memory"}
 """The HTTP mode's workers, unless the flags say otherwise: fast, short responses, so that the
@@ -176,6 +177,7 @@ class _Clients:
         self.lags: list[float] = []
         self.opened = 0  # connections opened
         self.errors: Counter = Counter()  # connection failures under a call, by exception class
+        self.idle_limit = max(0.5, self.settings.keep_alive_seconds - KEEP_ALIVE_MARGIN_SECONDS)
 
     async def start(self) -> None:
         self._lag_task = asyncio.create_task(self._lag())
@@ -225,8 +227,8 @@ class _Clients:
         refused = reconnects = 0
         while True:
             try:
-                # a connection idle past KEEPALIVE_SECONDS (or closed) opens anew before the call
-                if conn.writer is None or time.monotonic() - conn.used > KEEPALIVE_SECONDS:
+                # a connection idle near the scheduler's keep-alive (or closed) opens anew before the call
+                if conn.writer is None or time.monotonic() - conn.used > self.idle_limit:
                     await conn.open()
                     self.opened += 1
                 status, headers, raw = await conn.request(data)
@@ -332,7 +334,7 @@ class RoundRecord:
     reconnects: int
     """Calls sent again after their connection failed under them (before any answer)."""
     connections_opened: int
-    """Connections the clients opened in the round (idle ones close after ``KEEPALIVE_SECONDS``)."""
+    """Connections the clients opened in the round (idle ones reopen, ``KEEP_ALIVE_MARGIN_SECONDS``)."""
     engine_reruns: int
     """Engine runs beyond the choices answered (a request run again after a worker failed, a
     lost call's runs)."""

@@ -74,3 +74,8 @@ class LoadSettings:
     """HTTP mode: choices per call (its ``n``)."""
     client_processes: int = 1
     """HTTP mode: processes running the HTTP clients, each a share of the connections."""
+    keep_alive_seconds: float = 60.0
+    """HTTP mode: the scheduler closes a connection idle this long
+    (``SchedulerSettings.http_keep_alive_seconds``; the service's default is 5 s, vLLM's); the
+    clients reopen one idle ``KEEP_ALIVE_MARGIN_SECONDS`` less. At 5 s most connections sat idle
+    past it between their answer and the next round, and were reopened every round."""

@@ -62,6 +62,7 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
     _add(p, "journal-finished-ttl-seconds", 600, "keep a finished step's journal this long")
     _add(p, "weight-update-deadline-seconds", 600.0, "roll back a weight update started by the trainer and not "
          "finished within this many seconds (POST /abort_weight_update does it at once)")
+    _add(p, "http-keep-alive-seconds", 5.0, "close an HTTP connection idle this long (vllm serve's 5 s)")
     _add(p, "orphan-grace-seconds", 30.0, "cancel a step this long after its trainer disconnected")
     _add(p, "trainer-token", "", "bearer token trainers must send")
     _add(p, "worker-token", "", "bearer token workers must send")

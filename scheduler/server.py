@@ -114,7 +114,8 @@ class Scheduler:
         from bubblespec.scheduler.http import SignalFreeServer, create_app
 
         config = uvicorn.Config(create_app(self), host=self.host, port=self.settings.http_port,
-                                log_level="warning", lifespan="off")
+                                log_level="warning", lifespan="off",
+                                timeout_keep_alive=self.settings.http_keep_alive_seconds)
         self._http = SignalFreeServer(config)
         self._tasks.append(asyncio.create_task(self._http.serve()))
         while not self._http.started:

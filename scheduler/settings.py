@@ -6,6 +6,7 @@ never at import time.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from bubblespec.common.types import SchedulingPolicy
@@ -29,6 +30,11 @@ class SchedulerSettings:
     """Trainer and worker gRPC API (0 = pick a free port)."""
     http_port: int = 8080
     """/healthz, /readyz, /metrics, /status, /ui (0 = pick a free port; -1 = off)."""
+    http_keep_alive_seconds: float = 5.0
+    """The HTTP server closes a connection idle this long (uvicorn's ``timeout_keep_alive``; 5 s
+    as ``vllm serve``'s ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``). Raise it where clients keep a pool of
+    connections idle between calls longer than that (a trainer between rollout batches), so that
+    they are not reopened for every call."""
     tokenizer: str = ""
     """Model directory or tokenizer.json used to tokenize text prompts ('' = token ids only)."""
     redis_url: str = ""
@@ -117,6 +123,8 @@ class SchedulerSettings:
     succeeds (``core/transfer.py``; ``POST /abort_weight_update`` does it at once)."""
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.http_keep_alive_seconds) and self.http_keep_alive_seconds > 0):
+            raise ValueError(f"http_keep_alive_seconds: must be a finite number > 0, got {self.http_keep_alive_seconds!r:.40}")
         if not self.weight_update_deadline_seconds > 0:
             raise ValueError(f"weight_update_deadline_seconds: must be > 0, got {self.weight_update_deadline_seconds!r}")
         try:

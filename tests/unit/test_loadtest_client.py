@@ -58,7 +58,7 @@ class ScriptedServer:
             writer.close()
 
 
-async def test_the_client_retries_reads_and_checks_every_answer(monkeypatch):
+async def test_the_client_retries_reads_and_checks_every_answer():
     server = ScriptedServer(["drop", "429", "close", "chunked", "ok"])
     listening = await asyncio.start_server(server.serve, "127.0.0.1", 0)
     port = listening.sockets[0].getsockname()[1]
@@ -79,7 +79,7 @@ async def test_the_client_retries_reads_and_checks_every_answer(monkeypatch):
         got = await clients.run_round(2)  # the connection was closed by the server: opened anew; chunked
         assert [c[4] for c in got["calls"]] == [200] and got["calls"][0][7] == [hash((1, 2))]
         assert got["opened"] == 1 and server.connections == 3
-        monkeypatch.setattr(loadtest_http, "KEEPALIVE_SECONDS", 0.0)  # idle "too long": opened anew
+        clients.idle_limit = 0.0  # idle "too long" (keep_alive_seconds - KEEP_ALIVE_MARGIN_SECONDS): opened anew
         got = await clients.run_round(3)
         assert got["calls"][0][4] == 200 and got["opened"] == 1 and server.connections == 4
     finally:
