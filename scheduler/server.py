@@ -111,9 +111,10 @@ class Scheduler:
     async def _start_http(self) -> None:
         import uvicorn
 
+        from bubblespec.scheduler.hot_routes import HotRoutes
         from bubblespec.scheduler.http import SignalFreeServer, create_app
 
-        config = uvicorn.Config(create_app(self), host=self.host, port=self.settings.http_port,
+        config = uvicorn.Config(HotRoutes(create_app(self)), host=self.host, port=self.settings.http_port,
                                 log_level="warning", lifespan="off",
                                 timeout_keep_alive=self.settings.http_keep_alive_seconds)
         self._http = SignalFreeServer(config)
