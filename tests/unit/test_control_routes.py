@@ -17,6 +17,7 @@ from bubblespec.scheduler.core.settings import CoreSettings
 from bubblespec.scheduler.core.state import SchedulerCore
 from bubblespec.scheduler.core.types import ModelLimits, WorkerHello
 from bubblespec.scheduler.core.validate import Limits, build_step
+from bubblespec.scheduler.hot_routes import HotRoutes
 from bubblespec.scheduler.openai_api import create_router as create_openai_router
 from bubblespec.scheduler.rl_api import create_router
 from bubblespec.scheduler.service import END, SchedulerService
@@ -73,7 +74,8 @@ def make_app(token: str = "", **settings) -> tuple[httpx.AsyncClient, SimpleName
     app = FastAPI()
     app.include_router(create_openai_router(scheduler))
     app.include_router(create_router(scheduler))
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test"), scheduler
+    hot = HotRoutes(app)  # as the scheduler serves them (``Scheduler._start_http``)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=hot), base_url="http://test"), scheduler
 
 
 def assert_error(r: httpx.Response, status: int, param: str | None, text: str = "") -> None:

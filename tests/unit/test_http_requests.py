@@ -86,6 +86,53 @@ async def test_a_caller_that_disconnects_has_its_request_aborted_on_the_worker()
             worker.task.cancel()
 
 
+def _asgi_call(path: str, payload: dict, gone: asyncio.Event):
+    """(scope, receive, send, sent) of one POST whose caller sends ``payload``, then waits, and
+    disconnects (ASGI's ``http.disconnect``) once ``gone`` is set, as uvicorn reports it."""
+    messages = [{"type": "http.request", "body": json.dumps(payload).encode(), "more_body": False}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        if messages:
+            return messages.pop()
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "headers": [(b"content-type", b"application/json")], "http_version": "1.1", "scheme": "http",
+             "server": ("test", 80), "client": ("caller", 1), "root_path": ""}
+    return scope, receive, send, sent
+
+
+async def test_a_caller_whose_connection_drops_gets_nothing_and_its_request_is_aborted():
+    """Not a cancelled task (the test above) but the server's ``http.disconnect`` while the call
+    waits for its worker: the request is aborted there, the pool empties, no answer is sent but
+    499 (as vLLM's ``with_cancellation``), and the next call is served."""
+    http, scheduler = make_app()
+    app = http._transport.app  # the scheduler's ASGI app (HotRoutes in front of FastAPI)
+    worker = ScriptedWorker(scheduler.service, "a")
+    gone = asyncio.Event()
+    scope, receive, send, sent = _asgi_call("/v1/completions", body(0), gone)
+    call = asyncio.create_task(app(scope, receive, send))
+    while not scheduler.core.workers["a"].running:
+        await asyncio.sleep(0)
+    [key] = scheduler.core.workers["a"].running
+    gone.set()
+    await asyncio.wait({call}, timeout=10)  # (wait_for would cancel it, which the route also answers 499)
+    assert call.done() and call.exception() is None
+    assert worker.aborts == [key]
+    assert [m.get("status") for m in sent if m["type"] == "http.response.start"] == [499]
+    assert scheduler.core.pool.pending == 0 and not scheduler.core.workers["a"].running
+    worker.release.set()
+    async with http:
+        r = await http.post("/v1/completions", json=body(1))
+        assert r.status_code == 200 and len(r.json()["choices"]) == 1
+    worker.task.cancel()
+
+
 async def test_ten_thousand_queued_calls_across_pause_and_resume_each_answered_once():
     http, scheduler = make_app()
     calls = 10_000
