@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import PlainTextResponse
 from fastapi.routing import APIRoute
+from starlette.types import Message, Receive, Scope, Send
 
 __all__ = ["HOT_ROUTES", "HotRoutes"]
 
@@ -45,7 +45,7 @@ class HotRoutes:
                 if (method, route.path) in routes:
                     self.endpoints[(method, route.path)] = _bare(route)
 
-    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         endpoint = self.endpoints.get((scope.get("method", ""), scope.get("path", ""))) if scope["type"] == "http" else None
         if endpoint is None:
             await self.app(scope, receive, send)
@@ -53,7 +53,7 @@ class HotRoutes:
         scope["app"] = self.app
         started = False
 
-        async def sending(message: dict) -> None:
+        async def sending(message: Message) -> None:
             nonlocal started
             started = True
             await send(message)

@@ -116,7 +116,8 @@ class Scheduler:
 
         config = uvicorn.Config(HotRoutes(create_app(self)), host=self.host, port=self.settings.http_port,
                                 log_level="warning", lifespan="off",
-                                timeout_keep_alive=self.settings.http_keep_alive_seconds)
+                                # uvicorn types it int and schedules it with loop.call_later, which takes a float
+                                timeout_keep_alive=self.settings.http_keep_alive_seconds)  # type: ignore[arg-type]
         self._http = SignalFreeServer(config)
         self._tasks.append(asyncio.create_task(self._http.serve()))
         while not self._http.started:
