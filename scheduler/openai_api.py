@@ -83,11 +83,14 @@ def parse_prompts(raw: Any) -> list[Prompt]:
         return [Prompt("p0", text=raw)]
     if not isinstance(raw, list) or not raw:
         raise InvalidRequest("prompt", "must be a string, a list of strings, a list of token ids or a list of lists")
-    if all(isinstance(x, str) for x in raw):
+    # JSON gives exactly these types (never a subclass, and bool is not int here); type() is
+    # mapped over a prompt's ids in C, not a Python frame per token
+    kinds = set(map(type, raw))
+    if kinds == {str}:
         return [Prompt(f"p{i}", text=t) for i, t in enumerate(raw)]
-    if all(isinstance(x, int) and not isinstance(x, bool) for x in raw):
+    if kinds == {int}:
         return [Prompt("p0", token_ids=tuple(raw))]
-    if all(isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x) for x in raw):
+    if kinds == {list} and all(x and set(map(type, x)) == {int} for x in raw):
         return [Prompt(f"p{i}", token_ids=tuple(x)) for i, x in enumerate(raw)]
     raise InvalidRequest("prompt", "must be a string, a list of strings, a list of token ids or a list of lists")
 
@@ -236,7 +239,7 @@ class _Completions:
         return build_step(
             step_id=f"http-{uuid.uuid4().hex}", policy_version=service.core.policy_version, prompts=prompts,
             sampling=self.sampling(model), policy=SchedulingPolicy(s.default_policy),
-            limits=s.limits, model=model, tokenize=service.tokenize)
+            limits=s.limits, model=model, tokenize=service.tokenize, resumable=False)
 
     def choice(self, c: Completion, index: int, spec: StepSpec) -> dict:
         choice = _choice(c, index, spec, self.body, self.token)

@@ -96,7 +96,7 @@ class RolloutServicer(pbg.RolloutServicer):
                 step_id="call", policy_version=self.service.core.policy_version,
                 prompts=[cv.prompt_from_pb(p) for p in request.prompts], sampling=self._sampling(request.sampling),
                 use_drafts=not request.disable_drafts, limits=self.limits, model=self._model(),
-                tokenize=self.service.tokenize)
+                tokenize=self.service.tokenize, resumable=False)
             n = spec.sampling.n
             async for index, c in self.service.run_requests(spec, request.single_version):
                 mine = replace(c, step_id="", prompt_id=spec.prompts[index // n].prompt_id, sample_index=index % n)

@@ -104,6 +104,9 @@ def _is_real(x: object) -> bool:
     return _is_int(x) or isinstance(x, float)
 
 
+_JUST_INT = {int}
+
+
 def _plain_ids_in_vocab(ids: tuple[object, ...], vocab_size: int) -> bool:
     """Fast path of the per-token check (a step's prompts: 65,536 with the lookahead at the
     simulator's scale): True when every id is a plain ``int`` in [0, vocab_size). False only
@@ -111,7 +114,7 @@ def _plain_ids_in_vocab(ids: tuple[object, ...], vocab_size: int) -> bool:
     as before and names the first bad id."""
     if not ids:
         return True
-    if not all(type(t) is int for t in ids):
+    if set(map(type, ids)) != _JUST_INT:  # type() over the ids in C: no Python frame per token
         return False
     ints = cast("tuple[int, ...]", ids)
     return min(ints) >= 0 and max(ints) < vocab_size
@@ -249,8 +252,11 @@ def build_step(
     limits: Limits,
     model: ModelLimits,
     tokenize: Tokenize | None = None,
+    resumable: bool = True,
 ) -> StepSpec:
-    """Validate a Generate request; raise ``InvalidRequest`` naming the first bad field."""
+    """Validate a Generate request; raise ``InvalidRequest`` naming the first bad field.
+    ``resumable`` False: an independent call, never resumed by its id (HTTP calls get fresh
+    ids), so no ``fingerprint`` of its content is made ('')."""
     check_id(step_id, "step_id")
     if not prompts:
         raise InvalidRequest("prompts", "the batch is empty")
@@ -264,9 +270,12 @@ def build_step(
                              f"requests, at most {limits.max_requests} per step or call")
     specs = _prompts(prompts, sampling, model, tokenize, limits)
     ahead = tuple(prompt_tokens(p, f"lookahead[{i}]", model, tokenize, limits) for i, p in enumerate(lookahead))
-    digest = hashlib.sha256(repr((policy_version, specs, sampling, ahead, policy.value, use_drafts)).encode())
+    fingerprint = ""
+    if resumable:
+        digest = hashlib.sha256(repr((policy_version, specs, sampling, ahead, policy.value, use_drafts)).encode())
+        fingerprint = digest.hexdigest()[:32]
     return StepSpec(
         step_id=step_id, policy_version=policy_version, prompts=specs, sampling=sampling,
         lookahead=ahead, policy=policy, use_drafts=use_drafts, straggler_watch=straggler_watch,
-        fingerprint=digest.hexdigest()[:32],
+        fingerprint=fingerprint,
     )

@@ -5,9 +5,10 @@ use_drafts)))``, first 32 hex digits. Digests written by earlier schedulers must
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 
 from bubblespec.common.types import Prompt, SamplingParams, SchedulingPolicy
-from bubblespec.scheduler.core.types import ModelLimits, StepSpec
+from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits, StepSpec
 from bubblespec.scheduler.core.validate import Limits, build_step
 
 MODEL = ModelLimits(max_model_len=40, vocab_size=100)
@@ -36,3 +37,22 @@ def test_fingerprints_of_journals_written_before_still_match():
         spec = build_step(step_id="s", policy_version=3, sampling=sampling, limits=Limits(), model=MODEL,
                           tokenize=lambda text: tuple(ord(c) % 100 for c in text) or (1,), **kw)
         assert (spec.fingerprint, repr_fingerprint(spec)) == (digest, digest)
+
+
+def test_an_independent_call_gets_no_fingerprint_and_the_same_validation():
+    """``resumable=False`` (HTTP calls and the SDK's ``Complete``: never resumed by their id):
+    no fingerprint, every other field as a step's, and bad input refused the same way."""
+    sampling = SamplingParams(temperature=0.7, max_tokens=16)
+    kw = dict(step_id="s", policy_version=3, prompts=[Prompt("p0", token_ids=(5, 6))], sampling=sampling,
+              limits=Limits(), model=MODEL)
+    step, call = build_step(**kw), build_step(**kw, resumable=False)
+    assert len(step.fingerprint) == 32 and call.fingerprint == ""
+    assert replace(call, fingerprint=step.fingerprint) == step
+    for bad in ((5, 100), (5, True), ()):
+        errors = []
+        for resumable in (True, False):
+            try:
+                build_step(**{**kw, "prompts": [Prompt("p0", token_ids=bad)]}, resumable=resumable)
+            except InvalidRequest as exc:
+                errors.append((exc.field, exc.message))
+        assert len(errors) == 2 and errors[0] == errors[1], bad
