@@ -1,4 +1,4 @@
-"""The generation routes in front of FastAPI: ``HotRoutes`` wraps the scheduler's ASGI app and
+"""The per-call routes in front of FastAPI: ``HotRoutes`` wraps the scheduler's ASGI app and
 calls the endpoints of ``HOT_ROUTES`` itself, with Starlette's own ``Request`` and ``Response``.
 
 Every ``/v1/completions``, ``/v1/chat/completions`` and ``/inference/v1/generate`` call otherwise
@@ -26,8 +26,11 @@ from starlette.types import Message, Receive, Scope, Send
 
 __all__ = ["HOT_ROUTES", "HotRoutes"]
 
-HOT_ROUTES = (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/inference/v1/generate"))
-"""(method, path) of the routes served in front of FastAPI."""
+HOT_ROUTES = (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/inference/v1/generate"),
+              ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/chat/completions/render"))
+"""(method, path) of the routes served in front of FastAPI: the generation routes, and the
+tokenizer and render routes that trainers call once per rollout or turn (SkyRL detokenizes
+every output)."""
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 

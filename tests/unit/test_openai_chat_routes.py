@@ -13,6 +13,7 @@ import pytest
 from bubblespec.api.v1 import rollout_pb2 as pb
 from bubblespec.bench.tiny_model import CHAT_TEMPLATE, build_tiny_tokenizer
 from bubblespec.common import codec as cv
+from bubblespec.scheduler.hot_routes import HotRoutes
 from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits
 from bubblespec.scheduler.core.validate import Limits
 from bubblespec.scheduler.openai_api import create_router
@@ -127,7 +128,7 @@ def _app(tokenizer: str, limits=LIMITS, max_body: int = 2**20, refuse: InvalidRe
                                 ready=True)
     app = FastAPI()
     app.include_router(create_router(scheduler, chat=ChatCompletions))
-    return TestClient(app), core
+    return TestClient(HotRoutes(app)), core  # as the scheduler serves them
 
 
 def _post(http, body) -> tuple[int, dict]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from bubblespec.scheduler.hot_routes import HotRoutes
 from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits
 from bubblespec.scheduler.core.validate import Limits
 from bubblespec.scheduler.openai_api import create_router, openai_param, parse_prompts, parse_sampling
@@ -23,7 +24,7 @@ def _app(token: str = "", limits=None, max_body: int = 2**20) -> tuple[TestClien
                                 service=SimpleNamespace(core=core, tokenize=None), ready=False)
     app = FastAPI()
     app.include_router(create_router(scheduler))
-    return TestClient(app), scheduler
+    return TestClient(HotRoutes(app)), scheduler  # as the scheduler serves them
 
 
 def test_v1_routes_need_the_trainer_token_when_one_is_set():

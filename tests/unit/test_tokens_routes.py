@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 from bubblespec.bench.tiny_model import build_tiny_tokenizer
 from bubblespec.common.types import FinishReason
+from bubblespec.scheduler.hot_routes import HotRoutes
 from bubblespec.scheduler.core.types import InvalidRequest, ModelLimits
 from bubblespec.scheduler.core.validate import Limits
 from bubblespec.scheduler.settings import SchedulerSettings
@@ -80,7 +81,7 @@ def _app(tokenizer: str, limits=LIMITS, token: str = "", refuse: InvalidRequest 
     service = SimpleNamespace(core=core, tokenize=None, run_requests=run_requests, run_step=run_step)
     app = FastAPI()
     app.include_router(create_router(SimpleNamespace(settings=settings, service=service, ready=True)))
-    return TestClient(app), calls
+    return TestClient(HotRoutes(app)), calls  # as the scheduler serves them
 
 
 def _generate(http, body, headers=None) -> tuple[int, dict]:
