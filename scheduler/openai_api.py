@@ -14,6 +14,7 @@ served or refused by name (``request_fields``: an allow-list of vLLM 0.32's fiel
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 import uuid
@@ -237,7 +238,7 @@ class _Completions:
             raise InvalidRequest("return_tokens_as_token_ids", "must be a boolean")
         prompts = self.prompts()
         return build_step(
-            step_id=f"http-{uuid.uuid4().hex}", policy_version=service.core.policy_version, prompts=prompts,
+            step_id=f"http-{next(_CALL_IDS)}", policy_version=service.core.policy_version, prompts=prompts,
             sampling=self.sampling(model), policy=SchedulingPolicy(s.default_policy),
             limits=s.limits, model=model, tokenize=service.tokenize, resumable=False)
 
@@ -305,9 +306,12 @@ class _Completions:
         return self.envelope([], usage)
 
     async def whole(self, spec: StepSpec) -> dict:
-        found = {index: (choice, c) async for index, choice, c in self.completions(spec)}
-        choices = [found[i][0] for i in sorted(found)]
-        return self.envelope(choices, _usage(spec, [c for _, c in found.values()]))
+        """The whole answer, once every choice has finished (its choices built then, in index
+        order: one generator fewer between the service and this call than ``completions``)."""
+        service = self.scheduler.service
+        found = {index: c async for index, c in service.run_requests(spec, self.single_version, self.session_id)}
+        choices = [self.choice(found[i], i, spec) for i in sorted(found)]
+        return self.envelope(choices, _usage(spec, found.values()))
 
     async def stream(self, spec: StepSpec) -> AsyncIterator[str]:
         done: list[Completion] = []
@@ -324,6 +328,11 @@ class _Completions:
         except InvalidRequest as exc:
             yield f"data: {bytes(_refusal(exc, self.rename).body).decode()}\n\n"
         yield "data: [DONE]\n\n"
+
+
+_CALL_IDS = itertools.count()
+"""Step ids of calls (``http-<n>``): internal, since a call is never resumed by its id (the
+answer's own id is ``_Completions.id``)."""
 
 
 def _token_id(t: int) -> str:
@@ -371,6 +380,8 @@ async def read_json(request: Request, limit: int, *, empty: dict | None = None) 
 def unauthorized(scheduler: SchedulerApp, request: Request) -> Response | None:
     """401 in OpenAI's shape unless the request carries the trainer token (when the scheduler
     has one); vLLM answers 401 for a missing and for a wrong key alike."""
+    if not scheduler.settings.trainer_token:  # no token to check: the headers are not read (every call comes here)
+        return None
     from bubblespec.scheduler.auth import http_refusal
 
     refusal = http_refusal(request.headers.get("authorization"), None, scheduler.settings.trainer_token)
@@ -423,9 +434,10 @@ async def _serve(scheduler: SchedulerApp, request: Request, kind: Callable[[Sche
     try:
         body = await read_json(request, scheduler.settings.limits.max_request_bytes)
         call = kind(scheduler, body)
-        call.single_version = _header_flag(request, SINGLE_VERSION_HEADER)
-        call.session_id = _session_id(request)
-        if (header_id := request.headers.get("x-request-id")) is not None:  # vLLM: the header wins over the body
+        sent = _call_headers(request)
+        call.single_version = _header_flag(sent, SINGLE_VERSION_HEADER)
+        call.session_id = _session_id(sent)
+        if (header_id := sent.get("x-request-id")) is not None:  # vLLM: the header wins over the body
             call.id = f"{call.ID_PREFIX}-{header_id}"
         rename = call.rename
         headers = None
@@ -452,15 +464,29 @@ SESSION_HEADER = "X-Session-ID"
 MAX_SESSION_ID_CHARS = 256
 
 
-def _session_id(request: Request) -> str:
-    raw = request.headers.get(SESSION_HEADER, "")
+_CALL_HEADERS = frozenset(name.lower().encode("latin-1") for name in (SINGLE_VERSION_HEADER, SESSION_HEADER, "X-Request-ID"))
+
+
+def _call_headers(request: Request) -> dict[str, str]:
+    """The headers of ``_CALL_HEADERS`` that the call sends (lower-case names; the first of a
+    repeated one, as Starlette's ``Headers.get``), read in one pass over the raw headers: most
+    calls send none of them, and a miss in ``Headers`` costs a scan and an exception each."""
+    found: dict[str, str] = {}
+    for name, value in request.scope["headers"]:
+        if name in _CALL_HEADERS:
+            found.setdefault(name.decode("latin-1"), value.decode("latin-1"))
+    return found
+
+
+def _session_id(headers: dict[str, str]) -> str:
+    raw = headers.get(SESSION_HEADER.lower(), "")
     if len(raw) > MAX_SESSION_ID_CHARS:
         raise InvalidRequest(SESSION_HEADER, f"is {len(raw)} characters, at most {MAX_SESSION_ID_CHARS}")
     return raw
 
 
-def _header_flag(request: Request, name: str) -> bool:
-    raw = request.headers.get(name)
+def _header_flag(headers: dict[str, str], name: str) -> bool:
+    raw = headers.get(name.lower())
     if raw is None or raw.lower() in ("false", "0", "no"):
         return False
     if raw.lower() in ("true", "1", "yes"):

@@ -70,7 +70,10 @@ placed 55% of turns on their worker and 1,024 placed 97%."""
 
 
 def sample_sampling(base: SamplingParams, i: int, max_tokens: int) -> SamplingParams:
-    """Sample ``i``'s sampling of a call or step: n = 1, seed + i, the prompt's ``max_tokens``."""
+    """Sample ``i``'s sampling of a call or step: n = 1, seed + i, the prompt's ``max_tokens``
+    (``base`` itself where that changes nothing: the one sample of most calls)."""
+    if base.n == 1 and base.max_tokens == max_tokens and (base.seed is None or i == 0):
+        return base
     return replace(base, n=1, seed=None if base.seed is None else base.seed + i, max_tokens=max_tokens)
 
 

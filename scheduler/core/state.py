@@ -228,8 +228,9 @@ class SchedulerCore(CoreView, AdapterCommands):
                                  "wait for one to finish or cancel it", ErrorCode.RESOURCE_EXHAUSTED)
         self.planner.check_room(spec.lookahead, self.settings.max_announced_prompts, "lookahead",
                                 leaving=[p.token_ids for p in spec.prompts])
-        modes = {w.hello.logprobs_mode for w in self.workers.values()}
-        if modes and spec.sampling.logprobs_mode and spec.sampling.logprobs_mode not in modes:
+        mode = spec.sampling.logprobs_mode
+        modes = {w.hello.logprobs_mode for w in self.workers.values()} if mode else set()
+        if modes and mode not in modes:
             raise InvalidRequest("sampling.logprobs_mode", f"no connected worker returns {spec.sampling.logprobs_mode!r} "
                                  f"logprobs (they return {', '.join(sorted(modes))}; EngineSettings.logprobs_mode)",
                                  ErrorCode.FAILED_PRECONDITION)
@@ -283,8 +284,9 @@ class SchedulerCore(CoreView, AdapterCommands):
         """Refuse (naming the field, nothing changed) a call whose requests cannot join the pool."""
         self.liveness.check("workers")
         self.versions.check_held()
-        modes = {w.hello.logprobs_mode for w in self.workers.values()}
-        if modes and spec.sampling.logprobs_mode and spec.sampling.logprobs_mode not in modes:
+        mode = spec.sampling.logprobs_mode
+        modes = {w.hello.logprobs_mode for w in self.workers.values()} if mode else set()
+        if modes and mode not in modes:
             raise InvalidRequest("sampling.logprobs_mode", f"no connected worker returns {spec.sampling.logprobs_mode!r} "
                                  f"logprobs (they return {', '.join(sorted(modes))}; EngineSettings.logprobs_mode)",
                                  ErrorCode.FAILED_PRECONDITION)

@@ -203,6 +203,24 @@ async def test_the_answer_id_comes_from_x_request_id_as_in_vllm():
         worker.task.cancel()
 
 
+async def test_the_session_header_is_read_whatever_its_case_and_checked():
+    http, scheduler = make_app()
+    async with http:
+        worker = ScriptedWorker(scheduler.service, "a")
+        r = await http.post("/v1/completions", json=body(0), headers={"x-session-id": "s" * 257})
+        assert_error(r, 400, "X-Session-ID", "at most 256")
+        assert scheduler.core.pool.pending == 0
+        call = asyncio.create_task(http.post("/v1/completions", json=body(0, n=2),
+                                             headers=[("X-SESSION-ID", "conv-1"), ("x-session-id", "conv-2")]))
+        while scheduler.core.pool.pending < 2:
+            await asyncio.sleep(0)
+        # the first of a repeated header, as Starlette's Headers.get reads it
+        assert set(scheduler.core.pool.affinity.session_of.values()) == {"conv-1"}
+        worker.release.set()
+        assert (await call).status_code == 200
+        worker.task.cancel()
+
+
 async def test_calls_that_join_in_one_turn_of_the_loop_share_one_dispatch():
     _, scheduler = make_app()
     service, core = scheduler.service, scheduler.core
