@@ -6,6 +6,7 @@ never at import time.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -136,11 +137,7 @@ class SchedulerSettings:
 
     def model_name(self) -> str:
         """The served model name (``served_model_name`` or its default)."""
-        from pathlib import Path
-
-        path = Path(self.tokenizer.rstrip("/")) if self.tokenizer else None
-        default = "" if path is None else (path.parent.name if path.suffix == ".json" else path.name)
-        return self.served_model_name or default or "bubblespec"
+        return _model_name(self.served_model_name, self.tokenizer)
 
     def serves_model(self, name: object) -> bool:
         """Whether a request's ``model`` names the served model: ``model_name()``, or, with no
@@ -176,3 +173,13 @@ class SchedulerSettings:
                 value = StoreSettings(url=value).redacted_url
             shown.append(f"{f.name}={value!r}")
         return f"SchedulerSettings({', '.join(shown)})"
+
+
+@functools.lru_cache(maxsize=16)
+def _model_name(served_model_name: str, tokenizer: str) -> str:
+    """``SchedulerSettings.model_name``, once per pair (every call's answer names it)."""
+    from pathlib import Path
+
+    path = Path(tokenizer.rstrip("/")) if tokenizer else None
+    default = "" if path is None else (path.parent.name if path.suffix == ".json" else path.name)
+    return served_model_name or default or "bubblespec"

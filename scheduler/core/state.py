@@ -282,6 +282,12 @@ class SchedulerCore(CoreView, AdapterCommands):
 
     def check_requests(self, spec: StepSpec) -> None:
         """Refuse (naming the field, nothing changed) a call whose requests cannot join the pool."""
+        self._check_workers_serve(spec)
+        self.pool.check(spec)
+
+    def _check_workers_serve(self, spec: StepSpec) -> None:
+        """The workers can serve the call: ``check_requests`` less the pool's own check (``RequestPool.submit``
+        makes that one)."""
         self.liveness.check("workers")
         self.versions.check_held()
         mode = spec.sampling.logprobs_mode
@@ -290,7 +296,6 @@ class SchedulerCore(CoreView, AdapterCommands):
             raise InvalidRequest("sampling.logprobs_mode", f"no connected worker returns {spec.sampling.logprobs_mode!r} "
                                  f"logprobs (they return {', '.join(sorted(modes))}; EngineSettings.logprobs_mode)",
                                  ErrorCode.FAILED_PRECONDITION)
-        self.pool.check(spec)
 
     def submit_requests(self, spec: StepSpec, single_version: bool = False, dispatch: bool = True,
                         session_id: str = "") -> tuple[list[str], list[Action]]:
@@ -301,8 +306,8 @@ class SchedulerCore(CoreView, AdapterCommands):
         ``dispatch`` off they only join the queue, and no actions come: ``dispatch()`` hands
         them out later, once for many calls (a dispatch looks at every worker and every
         running request; a call's own work is only its requests)."""
-        self.check_requests(spec)
-        keys = self.pool.submit(spec, single_version, session_id)
+        self._check_workers_serve(spec)
+        keys = self.pool.submit(spec, single_version, session_id)  # checked first (``RequestPool.check``)
         if spec.use_drafts:
             self.drafts.wanted = True
         return keys, self.dispatcher.fill_all() if dispatch else []
