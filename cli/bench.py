@@ -183,7 +183,9 @@ def _core_ms(row: dict) -> float | None:
 
 
 def summarize(rows: list[dict], exact: dict[str, bool], first_step: int = 2) -> list[dict]:
-    """Per arm, medians over steps >= first_step; speedup = median of per-step ratios to baseline.
+    """Per arm, medians over steps >= first_step; speedup = median of per-step ratios to baseline;
+    ``speedup_total``: the baseline's time over those steps summed over the arm's (a median of a
+    few step ratios can sit between two groups of steps; the sum cannot).
     Where the steps carry the cores' probe (``core_probe_ms``), ``speedup_equal_speed_median``
     is the same ratio with each step's makespan divided by its cores' probe figure: the
     speedup had both steps run on cores of one speed (an estimate: docs/BENCHMARKS.md)."""
@@ -208,6 +210,7 @@ def summarize(rows: list[dict], exact: dict[str, bool], first_step: int = 2) -> 
             "arm": arm,
             "makespan_seconds_median": statistics.median(r["makespan_seconds"] for r in mine),
             "speedup_median": statistics.median(base[r["step"]] / r["makespan_seconds"] for r in mine),
+            "speedup_total": sum(base[r["step"]] for r in mine) / sum(r["makespan_seconds"] for r in mine),
             "forward_passes_per_token": statistics.median(r["forward_passes_per_token"] for r in mine),
             "accepted_per_forward_pass": statistics.median(r["accepted_per_forward_pass"] for r in mine),
             "bubble_share": statistics.median(r["bubble_share"] for r in mine),
@@ -264,7 +267,8 @@ def table_lines(table: list[dict]) -> list[str]:
     for t in table:
         acc = ", ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(t["acceptance_by_source"].items())) or "-"
         runs = t.get("speedup_runs", [])
-        each = f"  runs {' '.join(f'{x:.2f}x' for x in runs)}" if len(runs) > 1 else ""
+        each = f"  total {t['speedup_total']:.2f}x" if "speedup_total" in t else ""
+        each += f"  runs {' '.join(f'{x:.2f}x' for x in runs)}" if len(runs) > 1 else ""
         lines.append(f"{t['arm']:>13} {t['makespan_seconds_median']:8.2f}s {t['speedup_median']:7.2f}x "
                      f"{t['forward_passes_per_token']:8.3f} {t['accepted_per_forward_pass']:8.2f} "
                      f"{100 * t['bubble_share']:6.1f}% {100 * t['drafting_share']:7.1f}% {t['exact']!s:>6}  {acc}{each}")
@@ -274,9 +278,9 @@ def table_lines(table: list[dict]) -> list[str]:
 NUMBERS_EXPLAINED = """\
 What the numbers mean (medians over steps >= 2: step 1 has no length history and no drafts announced before it;
   with --runs, the median over runs of each run's figure, and each run's speedup after the table):
-  speedup = the baseline's step time / the arm's; fwd/tok = engine forward passes per generated token (1.000 without
-  drafts, lower when draft tokens were accepted); acc/fwd = accepted draft tokens per forward pass; bubble = share of
-  worker time idle in the step; exact = every completion token for token the baseline's (greedy decoding)."""
+  speedup = the baseline's step time / the arm's, total = over the steps summed; fwd/tok = engine forward passes per
+  generated token (1.000 without drafts, lower when draft tokens were accepted); acc/fwd = accepted draft tokens per pass;
+  bubble = share of worker time idle in the step; exact = every completion token for token the baseline's (greedy)."""
 
 
 def verdict(table: list[dict]) -> str:

@@ -42,7 +42,7 @@ def test_each_runs_speedup_is_kept_and_the_summary_is_their_median():
     assert table["bubblespec"]["makespan_seconds_median"] == 5.0
     assert table["bubblespec"]["acceptance_by_source"] == {"future": 0.75}
     assert table["baseline"]["speedup_runs"] == [1.0, 1.0, 1.0]
-    assert "runs 2.00x 1.00x 3.00x" in table_lines(list(table.values()))[-1]
+    assert "total 2.00x  runs 2.00x 1.00x 3.00x" in table_lines(list(table.values()))[-1]
 
 
 def test_an_arm_inexact_in_any_run_is_inexact():
@@ -137,3 +137,20 @@ def test_the_tail_splits_an_arms_time_into_fewer_passes_and_longer_ones():
     assert "baseline 1.00 passes a token at 10.0 ms a pass" in line
     assert "bubblespec 0.25 passes a token (0.25x) at 20.0 ms (2.00x): 0.50x the time" in line
     assert time_split_line(summarize([_row("baseline", 2, 1.0), _row("bubblespec", 2, 1.0)], exact)) == ""  # no figures
+
+
+def test_total_time_is_the_summed_steps_where_the_median_of_step_ratios_sits_between_alternating_steps():
+    """Steps 2 and 4 drafted (4x), 3 and 5 not (0.8x): the median of the four ratios is 2.4x,
+    the time over the four steps only 1.2x the baseline's."""
+    exact = dict.fromkeys(["baseline", "queue", "static+drafts", "bubblespec"], True)
+    times = {2: (2.0, 0.5), 3: (4.0, 5.0), 4: (2.0, 0.5), 5: (4.0, 5.0)}
+    rows = [_row("baseline", 1, 3.0), _row("bubblespec", 1, 3.0)]
+    rows += [_row("baseline", step, base) for step, (base, _) in times.items()]
+    rows += [_row("bubblespec", step, fast) for step, (_, fast) in times.items()]
+    table = {t["arm"]: t for t in summarize(rows, exact)}
+    assert table["bubblespec"]["speedup_median"] == pytest.approx(2.4)
+    assert table["bubblespec"]["speedup_total"] == pytest.approx(12.0 / 11.0)
+    assert table["baseline"]["speedup_total"] == pytest.approx(1.0)
+    combined = {t["arm"]: t for t in combine_runs([summarize(rows, exact)] * 3)}
+    assert combined["bubblespec"]["speedup_total"] == pytest.approx(12.0 / 11.0)
+    assert "  total 1.09x  runs 2.40x 2.40x 2.40x" in table_lines(list(combined.values()))[-1]
