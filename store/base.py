@@ -79,6 +79,12 @@ class DraftStore(Protocol):
         counts only what this returned True for."""
         ...
 
+    async def remember(self, prompt_key: str, entry: DraftEntry) -> bool:
+        """A finished response: ``put_draft(prompt_key, entry)`` and ``record_length(prompt_key,
+        len(entry.tokens))`` in one round trip (a worker does both for every response it ends).
+        Returns what ``put_draft`` does; the length is recorded whatever it returns."""
+        ...
+
     async def get_drafts(self, prompt_keys: Sequence[str]) -> dict[str, list[DraftEntry]]:
         """Return the drafts of every given prompt, newest first, in one round trip.
 

@@ -70,6 +70,19 @@ class MemoryStore:
             self._push(self._drafts, prompt_key, encoded, self._settings.max_entries_per_prompt)
         return True
 
+    async def remember(self, prompt_key: str, entry: DraftEntry) -> bool:
+        check_prompt_key(prompt_key)
+        encoded = encode_entry(entry)
+        length = check_length(len(entry.tokens))
+        with self._op():
+            stored = len(encoded) <= self._settings.max_entry_bytes  # else dropped like Redis drops it
+            if stored:
+                self._push(self._drafts, prompt_key, encoded, self._settings.max_entries_per_prompt)
+            else:
+                self._stats.record_oversized()
+            self._push(self._lengths, prompt_key, length, self._settings.max_lengths_per_prompt)
+        return stored
+
     async def get_drafts(self, prompt_keys: Sequence[str]) -> dict[str, list[DraftEntry]]:
         keys = unique_prompt_keys(prompt_keys)
         if not keys:

@@ -77,13 +77,32 @@ class RedisStore:
         key = draft_key(self._settings.key_prefix, check_prompt_key(prompt_key))
         bound = self._settings.max_entries_per_prompt
         encoded = encode_entry(entry)
-        if len(encoded) > self._settings.max_entry_bytes:
-            self._stats.record_oversized()
-            logger.warning("draft store: not writing a %d-byte draft of prompt %s (max_entry_bytes %d)",
-                           len(encoded), prompt_key, self._settings.max_entry_bytes)
+        if not self._fits(encoded, prompt_key):
             return False
-        await self._push("put_draft", key, encoded, bound)
+        await self._run("put_draft", lambda: self._push_all([(key, encoded, bound)]))
         return True
+
+    def _fits(self, encoded: bytes, prompt_key: str) -> bool:
+        """Whether an encoded draft is within ``max_entry_bytes``; one that is not is counted
+        and logged, and not written."""
+        if len(encoded) <= self._settings.max_entry_bytes:
+            return True
+        self._stats.record_oversized()
+        logger.warning("draft store: not writing a %d-byte draft of prompt %s (max_entry_bytes %d)",
+                       len(encoded), prompt_key, self._settings.max_entry_bytes)
+        return False
+
+    async def remember(self, prompt_key: str, entry: DraftEntry) -> bool:
+        """One pipeline: the draft's three commands (none for an oversized entry) and the length's."""
+        check_prompt_key(prompt_key)
+        prefix, s = self._settings.key_prefix, self._settings
+        encoded = encode_entry(entry)
+        stored = self._fits(encoded, prompt_key)
+        pushes: list[tuple[str, bytes | int, int]] = [(draft_key(prefix, prompt_key), encoded, s.max_entries_per_prompt)] \
+            if stored else []
+        pushes.append((length_key(prefix, prompt_key), check_length(len(entry.tokens)), s.max_lengths_per_prompt))
+        await self._run("remember", lambda: self._push_all(pushes))
+        return stored
 
     async def get_drafts(self, prompt_keys: Sequence[str]) -> dict[str, list[DraftEntry]]:
         keys = unique_prompt_keys(prompt_keys)
@@ -97,7 +116,8 @@ class RedisStore:
     async def record_length(self, prompt_key: str, length: int) -> None:
         key = length_key(self._settings.key_prefix, check_prompt_key(prompt_key))
         bound = self._settings.max_lengths_per_prompt
-        await self._push("record_length", key, check_length(length), bound)
+        value = check_length(length)
+        await self._run("record_length", lambda: self._push_all([(key, value, bound)]))
 
     async def get_lengths(self, prompt_keys: Sequence[str]) -> dict[str, list[int]]:
         keys = unique_prompt_keys(prompt_keys)
@@ -123,15 +143,15 @@ class RedisStore:
         except (RedisError, OSError) as exc:
             logger.debug("draft store: error while closing redis client: %s", exc)
 
-    async def _push(self, what: str, key: str, value: bytes | int, bound: int) -> None:
-        async def op() -> None:
-            async with self._client.pipeline(transaction=False) as pipe:
+    async def _push_all(self, pushes: list[tuple[str, bytes | int, int]]) -> None:
+        """Each (key, value, bound): the value as the list's newest, the list cut to its bound
+        and its TTL restarted; all in one pipeline (one round trip)."""
+        async with self._client.pipeline(transaction=False) as pipe:
+            for key, value, bound in pushes:
                 pipe.lpush(key, value)
                 pipe.ltrim(key, 0, bound - 1)
                 pipe.expire(key, self._settings.ttl_seconds)
-                await pipe.execute()
-
-        await self._run(what, op)
+            await pipe.execute()
 
     async def _read_lists(self, what: str, keys: list[str], bound: int) -> list[list[bytes]]:
         async def op() -> list[list[bytes]]:

@@ -76,6 +76,12 @@ class ResilientStore:
         check_prompt_key(prompt_key)
         return await self._guard(lambda: self._inner.put_draft(prompt_key, entry), False)
 
+    async def remember(self, prompt_key: str, entry: DraftEntry) -> bool:
+        """False where the draft is not stored (as ``put_draft``); a failure may have recorded
+        the length or not (the backend's operations are not one transaction)."""
+        check_prompt_key(prompt_key)
+        return await self._guard(lambda: self._inner.remember(prompt_key, entry), False)
+
     async def get_drafts(self, prompt_keys: Sequence[str]) -> dict[str, list[DraftEntry]]:
         keys = unique_prompt_keys(prompt_keys)
         fallback: dict[str, list[DraftEntry]] = {key: [] for key in keys}

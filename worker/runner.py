@@ -250,9 +250,8 @@ class Runner:
                         adapter: tuple[str, int] | None = None) -> None:
         if self.store is None or not self.settings.history_drafts:
             return
-        pk = prompt_key(prompt, adapter)
-        await self.store.put_draft(pk, DraftEntry(c.token_ids, c.policy_version, step_id, DraftSource.HISTORY, time.time()))
-        await self.store.record_length(pk, len(c.token_ids))
+        await self.store.remember(prompt_key(prompt, adapter),
+                                  DraftEntry(c.token_ids, c.policy_version, step_id, DraftSource.HISTORY, time.time()))
 
     async def _run_draft(self, job: pb.DraftJob) -> None:
         key = DRAFT_PREFIX + job.job_id

@@ -225,6 +225,26 @@ async def test_oversized_drafts_are_dropped_on_write_and_counted(backend: Backen
     assert store.stats.oversized_entries == 1 and store.stats.errors == 0
 
 
+async def test_remember_stores_the_draft_and_its_length_in_one_operation(backend: Backend) -> None:
+    store = backend.make(max_entry_bytes=1024, max_entries_per_prompt=2, max_lengths_per_prompt=2)
+    big = DraftEntry(tuple(range(300)), 1, "step-big", DraftSource.HISTORY, 1.0)  # 1,242 bytes encoded
+    await store.put_draft(PROMPT_A, entry(1))
+    ops = store.stats.ops
+    assert await store.remember(PROMPT_A, entry(2, DraftSource.HISTORY)) is True
+    assert store.stats.ops == ops + 1  # memory: its two parts are in-process; Redis: one pipeline
+    assert await store.remember(PROMPT_A, big) is False  # the draft dropped and counted, the length kept
+    assert await store.remember(PROMPT_A, entry(3, DraftSource.HISTORY)) is True
+    assert await store.get_drafts([PROMPT_A]) == {PROMPT_A: [entry(3, DraftSource.HISTORY), entry(2, DraftSource.HISTORY)]}
+    assert await store.get_lengths([PROMPT_A]) == {PROMPT_A: [3, 300]}  # bounded, newest first
+    assert store.stats.oversized_entries == 1 and store.stats.errors == 0
+    with pytest.raises(ValueError):
+        await store.remember("bad{key}", entry(4))
+    assert await store.get_lengths([PROMPT_B]) == {PROMPT_B: []}
+    resilient = ResilientStore(store, backend.settings())
+    assert await resilient.remember(PROMPT_B, entry(5)) is True
+    assert await resilient.get_lengths([PROMPT_B]) == {PROMPT_B: [3]}
+
+
 async def test_resilient_wrapper_passes_results_through(backend: Backend) -> None:
     store = ResilientStore(backend.make(), backend.settings())
     assert await store.put_draft(PROMPT_A, entry(1)) is True
