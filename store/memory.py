@@ -64,24 +64,25 @@ class MemoryStore:
         check_prompt_key(prompt_key)
         encoded = encode_entry(entry)
         with self._op():
-            if len(encoded) > self._settings.max_entry_bytes:  # dropped like Redis drops it
-                self._stats.record_oversized()
-                return False
-            self._push(self._drafts, prompt_key, encoded, self._settings.max_entries_per_prompt)
-        return True
+            return self._add_draft(prompt_key, encoded)
 
     async def remember(self, prompt_key: str, entry: DraftEntry) -> bool:
         check_prompt_key(prompt_key)
         encoded = encode_entry(entry)
         length = check_length(len(entry.tokens))
         with self._op():
-            stored = len(encoded) <= self._settings.max_entry_bytes  # else dropped like Redis drops it
-            if stored:
-                self._push(self._drafts, prompt_key, encoded, self._settings.max_entries_per_prompt)
-            else:
-                self._stats.record_oversized()
+            stored = self._add_draft(prompt_key, encoded)
             self._push(self._lengths, prompt_key, length, self._settings.max_lengths_per_prompt)
         return stored
+
+    def _add_draft(self, prompt_key: str, encoded: bytes) -> bool:
+        """Push an encoded draft (inside an operation); one over ``max_entry_bytes`` is counted
+        and dropped, as Redis drops it."""
+        if len(encoded) > self._settings.max_entry_bytes:
+            self._stats.record_oversized()
+            return False
+        self._push(self._drafts, prompt_key, encoded, self._settings.max_entries_per_prompt)
+        return True
 
     async def get_drafts(self, prompt_keys: Sequence[str]) -> dict[str, list[DraftEntry]]:
         keys = unique_prompt_keys(prompt_keys)

@@ -228,13 +228,18 @@ class SchedulerCore(CoreView, AdapterCommands):
                                  "wait for one to finish or cancel it", ErrorCode.RESOURCE_EXHAUSTED)
         self.planner.check_room(spec.lookahead, self.settings.max_announced_prompts, "lookahead",
                                 leaving=[p.token_ids for p in spec.prompts])
+        self._check_logprobs_mode(spec)
+        return None
+
+    def _check_logprobs_mode(self, spec: StepSpec) -> None:
+        """Refuse a step or call asking for a logprobs mode no connected worker returns (the
+        workers are looked at only for a call that asks for one)."""
         mode = spec.sampling.logprobs_mode
         modes = {w.hello.logprobs_mode for w in self.workers.values()} if mode else set()
         if modes and mode not in modes:
-            raise InvalidRequest("sampling.logprobs_mode", f"no connected worker returns {spec.sampling.logprobs_mode!r} "
-                                 f"logprobs (they return {', '.join(sorted(modes))}; EngineSettings.logprobs_mode)",
+            raise InvalidRequest("sampling.logprobs_mode", f"no connected worker returns {mode!r} logprobs (they "
+                                 f"return {', '.join(sorted(modes))}; EngineSettings.logprobs_mode)",
                                  ErrorCode.FAILED_PRECONDITION)
-        return None
 
     def submit_step(self, spec: StepSpec, done: Mapping[str, Completion] | None = None) -> list[Action]:
         """Queue a step's requests. ``done``: completions an earlier scheduler already delivered
@@ -290,12 +295,7 @@ class SchedulerCore(CoreView, AdapterCommands):
         makes that one)."""
         self.liveness.check("workers")
         self.versions.check_held()
-        mode = spec.sampling.logprobs_mode
-        modes = {w.hello.logprobs_mode for w in self.workers.values()} if mode else set()
-        if modes and mode not in modes:
-            raise InvalidRequest("sampling.logprobs_mode", f"no connected worker returns {spec.sampling.logprobs_mode!r} "
-                                 f"logprobs (they return {', '.join(sorted(modes))}; EngineSettings.logprobs_mode)",
-                                 ErrorCode.FAILED_PRECONDITION)
+        self._check_logprobs_mode(spec)
 
     def submit_requests(self, spec: StepSpec, single_version: bool = False, dispatch: bool = True,
                         session_id: str = "") -> tuple[list[str], list[Action]]:
