@@ -113,9 +113,10 @@ class Scheduler:
 
         from bubblespec.scheduler.hot_routes import HotRoutes
         from bubblespec.scheduler.http import SignalFreeServer, create_app
+        from bubblespec.scheduler.joined_writes import JoinedWritesProtocol
 
         config = uvicorn.Config(HotRoutes(create_app(self)), host=self.host, port=self.settings.http_port,
-                                log_level="warning", lifespan="off",
+                                http=JoinedWritesProtocol, log_level="warning", lifespan="off",
                                 # uvicorn types it int and schedules it with loop.call_later, which takes a float
                                 timeout_keep_alive=self.settings.http_keep_alive_seconds)  # type: ignore[arg-type]
         self._http = SignalFreeServer(config)
