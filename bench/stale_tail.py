@@ -9,8 +9,9 @@ prompts of one bench step; drafts made ``--versions`` policy versions before (th
 noise, ``perturb_weights``). For the ``--longest`` prompts whose responses are longest under the
 current weights, each alone on the engine (a step's last request), in alternating order over
 ``--rounds``: no drafts, the stale draft (what the bench's step has), and the response itself
-as its draft (a fresh one). Prints per arm the passes, the tokens accepted and drafted, the wall
-time, and ms a pass; the closing line gives the medians' ratios to no drafts.
+as its draft (a fresh one). Prints, per prompt and arm, the medians over the rounds of the wall
+time (and its ratio to no drafts), the passes and ms a pass, and the first round's accepted and
+drafted tokens; any output that differs from the response without drafts ends the run (exit 1).
 """
 
 from __future__ import annotations

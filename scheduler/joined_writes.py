@@ -70,5 +70,5 @@ class JoinedWritesProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]  
     transport: ``uvicorn.Config(http=JoinedWritesProtocol)``."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport = cast(asyncio.Transport, transport)
-        super().connection_made(cast(asyncio.Transport, JoinedWrites(transport, asyncio.get_running_loop())))
+        joined = JoinedWrites(cast(asyncio.Transport, transport), asyncio.get_running_loop())
+        super().connection_made(cast(asyncio.Transport, joined))
