@@ -76,14 +76,19 @@ PROBE_ITERATIONS = 500
 """One probe sample: this many rounds of the reference workload (0.5-1.4 ms of CPU here)."""
 
 
+NEAREST_PERIODS = 3
+"""``SpeedProbe.median_ms``: a span without a sample takes one at most this many periods away."""
+
+
 class SpeedProbe:
     """Each core's speed through a measurement: a small process per core, pinned to it, times
     ``PROBE_ITERATIONS`` rounds of the reference workload (this thread's CPU time) every
     ``interval`` seconds and writes ``clock ms`` lines (``time.monotonic``, shared by every
     process) that a thread here collects. At the default 0.1 s it takes well under 1% of each
-    core. ``median_ms(t0, t1)``: per core, the median sample between two clock readings (None
-    where the span had none). Use as a context manager; a core the process may not run on is
-    left out, and a probe that cannot start raises (``start``)."""
+    core. ``median_ms(t0, t1)``: per core, the median sample between two clock readings (a
+    short span without one: the nearest sample, if close; else None). Use as a context
+    manager; a core the process may not run on is left out, and a probe that cannot start
+    raises (``start``)."""
 
     def __init__(self, cores: list[int] | None = None, interval: float = 0.1):
         if interval <= 0:
@@ -137,11 +142,19 @@ class SpeedProbe:
         self.stop()
 
     def median_ms(self, t0: float, t1: float) -> dict[int, float | None]:
-        """Per core, the median sample taken between ``t0`` and ``t1`` (``time.monotonic``)."""
+        """Per core, the median sample taken between ``t0`` and ``t1`` (``time.monotonic``). A
+        span shorter than the probe's period (a quick load-test round on fast cores) may hold
+        none: it gets the sample nearest to it, where one was taken within ``NEAREST_PERIODS``
+        periods of it (a core's speed changes over seconds, not milliseconds); else None."""
         out: dict[int, float | None] = {}
         for core, samples in self.samples.items():
-            within = [ms for at, ms in list(samples) if t0 <= at <= t1]
-            out[core] = statistics.median(within) if within else None
+            taken = list(samples)
+            within = [ms for at, ms in taken if t0 <= at <= t1]
+            if within:
+                out[core] = statistics.median(within)
+                continue
+            gap, ms = min(((max(t0 - at, at - t1), ms) for at, ms in taken), default=(math.inf, None))
+            out[core] = ms if gap <= NEAREST_PERIODS * self.interval else None
         return out
 
 

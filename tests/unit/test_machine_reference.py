@@ -68,6 +68,21 @@ def test_the_probe_samples_every_core_it_may_run_on_and_reads_a_span() -> None:
     assert probe._procs == []  # stopped and reaped
 
 
+def test_a_span_shorter_than_the_probes_period_reads_the_nearest_sample_if_close() -> None:
+    import os
+
+    core = min(os.sched_getaffinity(0))
+    probe = machine.SpeedProbe([core], interval=0.1)  # not started: its samples set here
+    probe.samples[core] = [(10.0, 1.0), (10.1, 2.0)]
+    assert probe.median_ms(10.03, 10.05) == {core: 1.0}  # 0.03 s after the first sample
+    assert probe.median_ms(10.07, 10.08) == {core: 2.0}  # 0.02 s before the second
+    assert probe.median_ms(10.0, 10.1) == {core: 1.5}  # both inside: their median
+    assert probe.median_ms(10.45, 10.5) == {core: None}  # 0.35 s past the last: more than 3 periods
+    assert probe.median_ms(10.35, 10.5) == {core: 2.0}  # 0.25 s: within them
+    probe.samples[core] = []
+    assert probe.median_ms(10.0, 10.1) == {core: None}
+
+
 def test_a_bad_probe_interval_is_refused_naming_it() -> None:
     with pytest.raises(ValueError, match="interval"):
         machine.SpeedProbe(interval=0)
