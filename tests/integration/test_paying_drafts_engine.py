@@ -55,12 +55,12 @@ async def test_a_draft_token_that_never_pays_turns_drafting_off(reference_engine
 
 @pytest.fixture(scope="module")
 def measurable_model(tmp_path_factory) -> str:
-    """A model whose draft token the clock can see: on the bench's tiny model (525k parameters) a
+    """A model whose draft token the clock can see: on the tiny test model (361k parameters) a
     draft token adds 1-4e-5 s to a pass that jitters by ~1 ms on these cores, so over the fit's
     ~200-pass memory its estimate stays sure (25%) only now and then (a CI run saw 759 clean
-    passes without one). Six times the width and twice the depth (~6M parameters) make a
-    draft token 6-20e-5 s; measured sure at every refit here, a core taken by another process
-    included."""
+    passes without one). Three times the width and twice the depth (6.0M parameters) make a
+    draft token 3.5e-5 to 1.2e-4 s, sure at 15 of 16 refits here (1.5-2.1e-4 s and sure at
+    every refit with a core taken by another process)."""
     return str(build_tiny_model(tmp_path_factory.mktemp("measurable") / "model", hidden_size=384, num_layers=4))
 
 
@@ -101,6 +101,6 @@ async def _measures_and_stays_exact(reference_engine, engine) -> None:
             break
     print(f"measured draft token cost: {cost}")
     assert cost["source"] == "measured" and cost["steps"] >= 64, cost
-    # 6-20e-5 s a draft token here (1.5-2e-4 with a core taken); a figure off by orders of
-    # magnitude is a broken fit, not a slow machine
+    # 3.5e-5 to 1.2e-4 s a draft token here (1.5-2.1e-4 with a core taken); a figure off by
+    # orders of magnitude is a broken fit, not a slow machine
     assert 1e-6 < cost["draft_token_seconds"] < 1e-3, cost
