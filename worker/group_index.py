@@ -105,6 +105,11 @@ class Doc:
 class GroupIndex:
     """The texts of one group and their n-gram index (module docstring)."""
 
+    SMALL_FLUSH = 64
+    """New tokens up to which ``_flush`` indexes them one by one (``_flush_few``): a pass adds a
+    few tokens a running sample, and numpy's fixed cost a call outweighs so few
+    (``python -m bubblespec.bench.propose_cost``)."""
+
     def __init__(self, rule: GroupRule | None = None):
         self.rule = rule or GroupRule()
         self._docs: dict[int, Doc] = {}  # by id, in the order added
@@ -281,10 +286,15 @@ class GroupIndex:
         return found
 
     def _flush(self) -> None:
-        """Enter the tokens added since the last search into both tables, every text's at once."""
+        """Enter the tokens added since the last search into both tables, every text's at once:
+        a few (``SMALL_FLUSH`` at most, the new tokens of a pass) one by one in Python integers,
+        more with numpy over all of them. Both paths make the same entries in the same order."""
         if not self._pending:
             return
         pending, self._pending = list(self._pending.values()), {}
+        if sum(doc.n - start for doc, start in pending) <= self.SMALL_FLUSH:
+            self._flush_few(pending)
+            return
         m = self.rule.min_match
         segments, heads = [], []  # per text: its tokens from lo on; (id, lo, start, n)
         for doc, start in pending:
@@ -311,6 +321,31 @@ class GroupIndex:
             ends = pos[:count] + m
             fresh = inside & (ends > starts[seg[:count]])
             self._ends.add(ngram_keys(tokens, m)[fresh], (base[:count] + ends)[fresh])
+
+    def _flush_few(self, pending: list[tuple[Doc, int]]) -> None:
+        """``_flush`` for a few new tokens: the same entries, in Python integers."""
+        m = self.rule.min_match
+        one_keys: list[int] = []
+        one_vals: list[int] = []
+        end_keys: list[int] = []
+        end_vals: list[int] = []
+        for doc, start in pending:
+            if doc.id not in self._docs or doc.n <= start or self.indexed >= self.rule.max_tokens:
+                continue
+            lo = max(0, start - m + 1)  # the first new n-gram's first token
+            tokens = doc.candidate.tokens[lo:doc.n].tolist()
+            base = doc.id << 32
+            self.indexed += doc.n - start
+            for pos in range(start, doc.n):
+                one_keys.append(tokens[pos - lo])
+                one_vals.append(base + pos + 1)
+            for end in range(max(start + 1, m), doc.n + 1):
+                end_keys.append(ngram_key(tokens[end - m - lo:end - lo]))
+                end_vals.append(base + end)
+        if one_keys:
+            self._ones.add_few(one_keys, one_vals)
+        if end_keys:
+            self._ends.add_few(end_keys, end_vals)
 
     def _rebuild(self) -> None:
         self._ends, self._ones, self.indexed, self._dropped = PositionTable(), PositionTable(), 0, 0

@@ -133,6 +133,45 @@ def test_texts_grown_piece_by_piece_index_as_texts_added_whole() -> None:
                 assert a[1] == b[1] and np.array_equal(a[0].tokens, b[0].tokens)
 
 
+def _tables(group: GroupIndex) -> list[list[int]]:
+    out = []
+    for table in (group._ones, group._ends):
+        n = table.n
+        out += [table._key[:n].tolist(), table._val[:n].tolist(), table._next[:n].tolist(), table._head.tolist()]
+    return out
+
+
+def test_a_few_new_tokens_index_as_the_vectorised_path_indexes_them() -> None:
+    rng = np.random.default_rng(5)
+    for trial in range(8):
+        few, vector = GroupIndex(), GroupIndex()
+        vector.SMALL_FLUSH = 0  # every update through numpy
+        assert few.SMALL_FLUSH > 8  # a pass's updates below go one by one
+        for g in (few, vector):
+            g.add("future", np.arange(30) % 7)
+        docs = [(few.add("sibling", (), live=True), vector.add("sibling", (), live=True)) for _ in range(3)]
+        searched = 0
+        for _ in range(400):  # 1-8 tokens to one or more running texts, a search; now and then a new text
+            for a, b in docs:
+                if rng.random() < 0.6:
+                    new = rng.integers(0, 6, int(rng.integers(1, 9)))
+                    few.extend(a, new)
+                    vector.extend(b, new)
+            if rng.random() < 0.05:
+                text = rng.integers(0, 6, int(rng.integers(1, 40)))
+                few.add("history", text)
+                vector.add("history", text)
+            q = rng.integers(0, 6, int(rng.integers(1, 6)))
+            x, y = few.find(q, exclude=docs[0][0]), vector.find(q, exclude=docs[0][1])
+            assert (x is None) == (y is None)
+            if x is not None and y is not None:
+                assert x[1] == y[1] and np.array_equal(x[0].tokens, y[0].tokens)
+                searched += 1
+            assert _tables(few) == _tables(vector), trial
+        assert searched > 0 and few.indexed == vector.indexed > 0
+        assert len(few._ends._head) > 1 << 10  # the buckets doubled along the way (1,024 to start)
+
+
 def test_a_request_whose_sources_all_collapsed_searches_only_on_probe_steps() -> None:
     from bubblespec.worker.draft_index import DraftLength, RequestDrafter
 
