@@ -203,3 +203,18 @@ def test_a_dropped_text_is_not_held_by_the_content_map() -> None:
         group.add("sibling", np.arange(50) + i, finished=True)
     assert len(group._kept) == len(group.candidates()) == 2  # the dropped texts' buffers are free
     assert group.add("sibling", np.arange(50), finished=True) is not None  # gone, so new again
+
+
+def test_the_proposer_drafts_the_same_on_both_index_paths() -> None:
+    import argparse
+
+    from bubblespec.bench import propose_cost
+
+    # a bench-shaped step on a fake runner (bench/propose_cost.py), once per path of GroupIndex._flush
+    args = argparse.Namespace(k=8, draft_token_seconds=3e-5, pass_seconds=4e-3)
+    for seed in range(3):
+        rows = propose_cost.make_workload(6, 2, 2, 0.5, seed)
+        few = propose_cost.run_step(rows, GroupIndex.SMALL_FLUSH, args)[1]
+        vector = propose_cost.run_step(rows, 0, args)[1]
+        assert few == vector and len(few) > 10
+        assert sum(len(d) for step in few for d in step) > 100  # drafts were proposed, not only empty lists
