@@ -69,7 +69,7 @@ class FakeRunner:
         self.now = 0.0
         self.proposer.clock = lambda: self.now  # a pass's modelled time, for the rate the paying rule reads
         self.pass_seconds, self.cost = pass_seconds, draft_token_seconds
-        self.rows = rows
+        self.rows = {f"r{i}": r for i, r in enumerate(rows)}  # by vLLM request id
         requests = {}
         for i, r in enumerate(rows):
             extra = {"key": f"k{i}", "drafts": [["future", r["draft"].astype("<u4").tobytes()]],
@@ -89,18 +89,18 @@ class FakeRunner:
         self.now += self.pass_seconds + self.cost * sum(map(len, self.drafts.values()))
         sampled = []
         for rid in self.live:
-            answer, g, draft = self.rows[int(rid[1:])]["answer"], self.generated[rid], self.drafts[rid]
+            answer, g, draft = self.rows[rid]["answer"], self.generated[rid], self.drafts[rid]
             agree = 0
             while agree < len(draft) and g + agree < len(answer) and draft[agree] == answer[g + agree]:
                 agree += 1
             take = min(agree + 1, len(answer) - g)
             sampled.append(answer[g:g + take].tolist())
             self.generated[rid] = g + take
-        width = max(len(self.rows[int(r[1:])]["prompt"]) + self.generated[r] for r in self.live)
+        width = max(len(self.rows[r]["prompt"]) + self.generated[r] for r in self.live)
         token_ids = np.zeros((len(self.live), width), dtype=np.int64)
         lengths = np.zeros(len(self.live), dtype=np.int64)
         for i, rid in enumerate(self.live):
-            row = self.rows[int(rid[1:])]
+            row = self.rows[rid]
             p, g = len(row["prompt"]), self.generated[rid]
             token_ids[i, :p] = row["prompt"]
             token_ids[i, p:p + g] = row["answer"][:g]
@@ -112,7 +112,7 @@ class FakeRunner:
         for rid, d in zip(self.live, drafts, strict=True):
             self.drafts[rid] = d
         # rows whose response ended leave the batch before the next pass
-        self.live = [r for r in self.live if self.generated[r] < len(self.rows[int(r[1:])]["answer"])]
+        self.live = [r for r in self.live if self.generated[r] < len(self.rows[r]["answer"])]
         self.drafts = {r: self.drafts[r] for r in self.live}
         return seconds, drafts
 
